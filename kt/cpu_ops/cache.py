@@ -1,0 +1,114 @@
+"""The on-disk cache of compiled kernels, keyed on everything that changes machine code.
+
+Numba's own cache keys a function on its own file only, so editing an ``@intrinsic`` in another
+module would run stale machine code. kt's kernels use a cache locator whose directory name and
+source stamp hash *all* of kt's kernel sources (every ``kt/cpu_ops/*.py``), together with the
+numba and llvmlite versions, the host CPU and the selected variant. ``install()`` must run before
+the ``@njit(cache=True)`` decorators of a kernel module execute.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from ..config import get_config
+
+_KERNEL_DIR = Path(__file__).resolve().parent
+
+
+def kernel_source_files() -> list[Path]:
+    return sorted(p for p in _KERNEL_DIR.glob("*.py"))
+
+
+def source_hash(files: list[Path] | None = None) -> str:
+    """sha256 over the names and contents of kt's kernel sources."""
+    h = hashlib.sha256()
+    for p in files if files is not None else kernel_source_files():
+        h.update(p.name.encode())
+        h.update(b"\0")
+        h.update(p.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def cache_key(variant: str | None = None, files: list[Path] | None = None) -> str:
+    import llvmlite
+    import numba
+    import llvmlite.binding as llvm
+
+    if variant is None:
+        from .isa import cpu_variant
+
+        variant = cpu_variant()
+    parts = [f"numba{numba.__version__}", f"llvmlite{llvmlite.__version__}",
+             f"py{sys.version_info.major}{sys.version_info.minor}", llvm.get_host_cpu_name(),
+             variant, source_hash(files)[:16]]
+    return "-".join(parts)
+
+
+def cache_root() -> Path:
+    return get_config().cache_dir
+
+
+def kernel_cache_dir(variant: str | None = None) -> Path:
+    return cache_root() / "kernels" / cache_key(variant)
+
+
+def cache_size_bytes() -> int:
+    root = cache_root()
+    if not root.exists():
+        return 0
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def clear_cache() -> None:
+    """Remove every compiled kernel kt cached (the next call recompiles)."""
+    d = cache_root() / "kernels"
+    if d.exists():
+        shutil.rmtree(d)
+
+
+_installed = False
+
+
+def install() -> None:
+    """Register kt's cache locator with Numba (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    from numba.core import caching
+
+    class KtCacheLocator(caching._CacheLocator):
+        """Caches functions defined in kt/cpu_ops under the complete kt kernel key."""
+
+        def __init__(self, py_func, py_file):
+            self._py_file = py_file
+            self._lineno = py_func.__code__.co_firstlineno
+            self._key = cache_key()
+            self._path = str(cache_root() / "kernels" / self._key)
+
+        def get_cache_path(self):
+            return self._path
+
+        def get_source_stamp(self):
+            return self._key
+
+        def get_disambiguator(self):
+            return f"{Path(self._py_file).stem}.{self._lineno}"
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            try:
+                if Path(py_file).resolve().parent != _KERNEL_DIR:
+                    return None
+                self = cls(py_func, py_file)
+                self.ensure_cache_path()
+            except OSError:
+                return None  # unwritable cache dir: compile without caching
+            return self
+
+    caching._CacheImpl._locator_classes.insert(0, KtCacheLocator)
+    _installed = True

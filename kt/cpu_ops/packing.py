@@ -1,0 +1,164 @@
+"""The one packed weight layout that the AMX, AVX-512 and AVX2 kernels read directly.
+
+A weight matrix w [N, D] (N output rows, D reduction depth) is stored in blocks of 16 output rows.
+N is padded to ``n_pad`` (a multiple of 16) and D to ``d_pad`` (a multiple of 64, and of G for
+INT4) with zeros. Within a block, the order is the "VNNI" order: consecutive k values of one row
+sit next to each other, 16 rows side by side, so one 64-byte line holds 16 rows x (64 bytes / 16).
+
+INT8  data  int8   [NB, d_pad/4, 16, 4]   data[b, j, r, i] = q[16b + r, 4j + i]
+      scale fp32   [n_pad]                one scale per output row
+      wsum  int32  [n_pad]                sum_k q[n, k] (for the unsigned-activation VNNI trick)
+INT4  data  uint8  [NB, d_pad/8, 16, 4]   low nibble  = q[16b + r, 8j + i] + 8
+                                          high nibble = q[16b + r, 8j + 4 + i] + 8
+      scale fp32   [NB, d_pad/G, 16]      one scale per (row, group of G along D)
+BF16  data  uint16 [NB, d_pad/2, 16, 2]   data[b, j, r, i] = bf16(w[16b + r, 2j + i])
+
+One 64-byte line is: INT8 one "k4 row" (16 rows x 4 k), the B operand of ``vpdpbusd`` and one of
+the 16 rows of an AMX ``tdpbssd`` B tile; INT4 two k4 rows (low then high nibbles); BF16 one
+"k2 row" (16 rows x 2 k), the B operand of ``vdpbf16ps`` / ``tdpbf16ps``.
+
+Stacks of experts add a leading E axis to every array (``pack_experts``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import GROUP_SIZES, QuantScheme
+from .. import reference as ref
+
+__all__ = ["PackedWeight", "pack", "unpack", "pack_quantized", "padded_dims", "pack_experts",
+           "BLOCK_N", "D_ALIGN"]
+
+BLOCK_N = 16
+D_ALIGN = 64
+
+
+def padded_dims(n: int, d: int, scheme: QuantScheme, group_size: int = 64) -> tuple[int, int]:
+    """(n_pad, d_pad) for an [N, D] weight under ``scheme``."""
+    if n <= 0 or d <= 0:
+        raise ValueError(f"weight dims must be positive, got N={n}, D={d}")
+    align = D_ALIGN
+    if scheme is QuantScheme.INT4:
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"INT4 group_size must be one of {GROUP_SIZES}, got {group_size}")
+        align = max(D_ALIGN, group_size)
+    n_pad = -(-n // BLOCK_N) * BLOCK_N
+    d_pad = -(-d // align) * align
+    return n_pad, d_pad
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A packed [N, D] weight (or a stack of E of them when ``data.ndim == 5``)."""
+
+    scheme: QuantScheme
+    n: int
+    d: int
+    n_pad: int
+    d_pad: int
+    group_size: int
+    data: np.ndarray
+    scale: np.ndarray
+    wsum: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        return self.n_pad // BLOCK_N
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + self.scale.nbytes + self.wsum.nbytes)
+
+    def expert(self, e: int) -> "PackedWeight":
+        if self.data.ndim != 5:
+            raise ValueError("expert() needs a stacked PackedWeight (from pack_experts)")
+        return PackedWeight(self.scheme, self.n, self.d, self.n_pad, self.d_pad, self.group_size,
+                            self.data[e], self.scale[e], self.wsum[e])
+
+
+def _to_lines(q: np.ndarray, n_pad: int, d_pad: int, per: int, dtype) -> np.ndarray:
+    """[N, D] -> zero-padded [NB, d_pad/per, 16, per] in the VNNI order."""
+    n, d = q.shape
+    full = np.zeros((n_pad, d_pad), dtype)
+    full[:n, :d] = q
+    return np.ascontiguousarray(
+        full.reshape(n_pad // BLOCK_N, BLOCK_N, d_pad // per, per).transpose(0, 2, 1, 3))
+
+
+def _from_lines(data: np.ndarray, n: int, d: int) -> np.ndarray:
+    nb, lines, rows, per = data.shape
+    return data.transpose(0, 2, 1, 3).reshape(nb * rows, lines * per)[:n, :d]
+
+
+def pack_quantized(qw: ref.QuantizedWeight, group_size: int = 64) -> PackedWeight:
+    """Pack an already-quantised weight (from ``reference.quantize``)."""
+    n, d = qw.shape
+    scheme = qw.scheme
+    g = qw.group_size or group_size
+    n_pad, d_pad = padded_dims(n, d, scheme, g)
+    empty_i = np.zeros(0, np.int32)
+    if scheme is QuantScheme.INT8:
+        data = _to_lines(qw.q, n_pad, d_pad, 4, np.int8)
+        scale = np.zeros(n_pad, np.float32)
+        scale[:n] = qw.scale
+        wsum = np.zeros(n_pad, np.int32)
+        wsum[:n] = qw.q.astype(np.int32).sum(axis=1)
+        return PackedWeight(scheme, n, d, n_pad, d_pad, 0, data, scale, wsum)
+    if scheme is QuantScheme.INT4:
+        nib = _to_lines((qw.q.astype(np.int16) + 8).astype(np.uint8), n_pad, d_pad, 4, np.uint8)
+        if n_pad > n or d_pad > d:  # padding must hold q = 0, i.e. nibble 8
+            mask = _to_lines(np.ones((n, d), np.uint8), n_pad, d_pad, 4, np.uint8)
+            nib = np.where(mask == 1, nib, np.uint8(8))
+        # nib is [NB, d_pad/4, 16, 4]; k4 rows 2j and 2j+1 share a byte.
+        data = np.ascontiguousarray((nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8))
+        ng = d_pad // g
+        sc = np.zeros((n_pad, ng), np.float32)
+        sc[:n, : qw.scale.shape[1]] = qw.scale
+        scale = np.ascontiguousarray(sc.reshape(n_pad // BLOCK_N, BLOCK_N, ng).transpose(0, 2, 1))
+        return PackedWeight(scheme, n, d, n_pad, d_pad, g, data, scale, empty_i)
+    bits = ref.f32_to_bf16_bits(qw.q)
+    data = _to_lines(bits, n_pad, d_pad, 2, np.uint16)
+    return PackedWeight(scheme, n, d, n_pad, d_pad, 0, data, np.zeros(0, np.float32), empty_i)
+
+
+def pack(w, scheme: QuantScheme | str, group_size: int = 64) -> PackedWeight:
+    """Quantise (per ``reference.quantize``) and pack a weight w [N, D]."""
+    scheme = QuantScheme.parse(scheme)
+    return pack_quantized(ref.quantize(w, scheme, group_size), group_size)
+
+
+def unpack(p: PackedWeight) -> ref.QuantizedWeight:
+    """The inverse of ``pack_quantized`` (single matrix): unpack(pack(w)) == quantize(w)."""
+    if p.data.ndim != 4:
+        raise ValueError("unpack expects a single packed matrix; use .expert(e) on a stack")
+    n, d = p.n, p.d
+    if p.scheme is QuantScheme.INT8:
+        return ref.QuantizedWeight(p.scheme, _from_lines(p.data, n, d).copy(), p.scale[:n].copy())
+    if p.scheme is QuantScheme.INT4:
+        lo = (p.data & 0x0F).astype(np.int8) - 8
+        hi = (p.data >> 4).astype(np.int8) - 8
+        nb, half, rows, per = p.data.shape
+        nib = np.empty((nb, half * 2, rows, per), np.int8)
+        nib[:, 0::2] = lo
+        nib[:, 1::2] = hi
+        q = _from_lines(nib, n, d).copy()
+        ng_real = -(-d // p.group_size)
+        sc = p.scale.transpose(0, 2, 1).reshape(p.n_pad, -1)[:n, :ng_real].copy()
+        return ref.QuantizedWeight(p.scheme, q, sc, p.group_size)
+    vals = ref.bf16_bits_to_f32(_from_lines(p.data, n, d))
+    return ref.QuantizedWeight(p.scheme, vals.copy(), None)
+
+
+def pack_experts(w, scheme: QuantScheme | str, group_size: int = 64) -> PackedWeight:
+    """Pack a stack of expert weights w [E, N, D] into one PackedWeight with a leading E axis."""
+    scheme = QuantScheme.parse(scheme)
+    shape = tuple(w.shape)
+    if len(shape) != 3:
+        raise ValueError(f"pack_experts expects [E, N, D], got shape {shape}")
+    parts = [pack(w[e], scheme, group_size) for e in range(shape[0])]
+    p0 = parts[0]
+    return PackedWeight(scheme, p0.n, p0.d, p0.n_pad, p0.d_pad, p0.group_size,
+                        np.stack([p.data for p in parts]), np.stack([p.scale for p in parts]),
+                        np.stack([p.wsum for p in parts]))

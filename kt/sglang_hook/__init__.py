@@ -1,0 +1,1 @@
+"""kt.sglang_hook."""
