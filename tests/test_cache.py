@@ -1,0 +1,39 @@
+"""The kernel cache key covers every kernel source, the toolchain and the variant."""
+import shutil
+
+from kt.cpu_ops import cache
+
+
+def test_editing_any_kernel_source_changes_the_key(tmp_path):
+    files = []
+    for p in cache.kernel_source_files():
+        dst = tmp_path / p.name
+        shutil.copy(p, dst)
+        files.append(dst)
+    k0 = cache.cache_key("avx2", files)
+    assert k0 == cache.cache_key("avx2", files)
+    # edit a helper module (not the kernel's own file): Numba's own cache would miss this
+    target = next(f for f in files if f.name == "packing.py")
+    target.write_text(target.read_text() + "\n# edited\n")
+    k1 = cache.cache_key("avx2", files)
+    assert k1 != k0
+    assert cache.cache_key("avx512_bf16", files) != k1
+
+
+def test_key_names_toolchain_and_variant():
+    import numba
+
+    k = cache.cache_key("avx2")
+    assert f"numba{numba.__version__}" in k and "avx2" in k
+
+
+def test_clear_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path))
+    d = cache.kernel_cache_dir("avx2")
+    d.mkdir(parents=True)
+    (d / "x.nbi").write_bytes(b"1234")
+    assert cache.cache_size_bytes() == 4
+    import kt
+
+    kt.clear_cache()
+    assert cache.cache_size_bytes() == 0

@@ -1,0 +1,92 @@
+"""The reference is the spec; these pin its conventions (rounding, zero rows, groups)."""
+import numpy as np
+import pytest
+
+from kt import QuantScheme, reference as ref
+
+
+def test_bf16_rounding_is_nearest_even():
+    x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5, np.inf, np.nan], np.float32)
+    r = ref.bf16_round(x)
+    assert r[0] == 1.0 and r[1] == 1.0 and r[2] == 1.0 + 4 * 2**-8 and r[3] == -2.5
+    assert np.isinf(r[4]) and np.isnan(r[5])
+
+
+@pytest.mark.parametrize("scheme,g,bound", [("int8", 64, 0.5 / 127), ("int4", 32, 0.5 / 7),
+                                            ("int4", 128, 0.5 / 7), ("bf16", 64, 2**-8)])
+def test_quantize_error_bound(scheme, g, bound):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((37, 200)).astype(np.float32)
+    qw = ref.quantize(w, scheme, g)
+    err = np.abs(ref.dequantize(qw) - w)
+    if scheme == "bf16":
+        assert (err <= bound * np.abs(w) + 1e-30).all()
+    elif scheme == "int8":
+        assert (err <= bound * np.abs(w).max(axis=1, keepdims=True) * 1.0001).all()
+    else:
+        ng = -(-200 // g)
+        wp = np.zeros((37, ng * g), np.float32)
+        wp[:, :200] = w
+        amax = np.abs(wp.reshape(37, ng, g)).max(axis=2)
+        gm = np.repeat(amax, g, axis=1)[:, :200]
+        assert (err <= bound * gm * 1.0001).all()
+        assert qw.scale.shape == (37, ng)
+
+
+def test_zero_rows_and_ranges():
+    w = np.zeros((3, 64), np.float32)
+    w[1] = 1.0
+    for s in ("int8", "int4"):
+        qw = ref.quantize(w, s)
+        assert (qw.q[0] == 0).all() and (ref.dequantize(qw)[0] == 0).all()
+        assert np.allclose(ref.dequantize(qw)[1], 1.0)
+    assert ref.quantize(np.full((1, 8), -3.0), "int8").q.min() == -127
+    assert ref.quantize(np.full((1, 64), -3.0), "int4").q.min() == -7
+    with pytest.raises(ValueError, match="NaN"):
+        ref.quantize(np.full((2, 4), np.nan), "int8")
+    with pytest.raises(ValueError, match="group_size"):
+        ref.quantize(w, "int4", 48)
+
+
+def test_quantize_act_matches_definition():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 33)).astype(np.float32)
+    x[3] = 0
+    xq, xs = ref.quantize_act(x)
+    assert xs[3] == 0 and (xq[3] == 0).all()
+    inv = np.float32(127) / np.abs(x[0]).max()
+    assert np.array_equal(xq[0], np.rint(x[0] * inv).astype(np.int8))
+    assert np.abs(xq).max() == 127
+
+
+def test_moe_forward_matches_a_direct_loop():
+    rng = np.random.default_rng(3)
+    T, E, K, H, I = 6, 4, 2, 16, 8
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w13 = rng.standard_normal((E, 2 * I, H)).astype(np.float32) / 4
+    w2 = rng.standard_normal((E, H, I)).astype(np.float32) / 3
+    ids = rng.integers(-1, E, (T, K))
+    tw = rng.random((T, K)).astype(np.float32)
+    out = ref.moe_forward(x, ids, tw, w13, w2)
+    exp = np.zeros((T, H))
+    for t in range(T):
+        for k in range(K):
+            e = ids[t, k]
+            if e < 0:
+                continue
+            g, u = w13[e, :I] @ x[t], w13[e, I:] @ x[t]
+            exp[t] += tw[t, k] * (w2[e] @ (g / (1 + np.exp(-g)) * u))
+    np.testing.assert_allclose(out, exp, rtol=1e-5, atol=1e-6)
+    mask = np.array([True, False, False, True])
+    out_m = ref.moe_forward(x, ids, tw, w13, w2, skip_mask=mask)
+    q13 = [ref.quantize(w13[e], "bf16") for e in range(E)]
+    q2 = [ref.quantize(w2[e], "bf16") for e in range(E)]
+    assert ref.relative_error(ref.moe_forward_quantized(x, ids, tw, q13, q2, mask), out_m) < 0.01
+    with pytest.raises(ValueError, match="expert ids"):
+        ref.moe_forward(x, np.full((T, K), E), tw, w13, w2)
+
+
+def test_scheme_parse():
+    assert QuantScheme.parse("INT4") is QuantScheme.INT4
+    with pytest.raises(ValueError, match="unknown quantisation scheme"):
+        QuantScheme.parse("fp7")
