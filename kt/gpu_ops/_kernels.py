@@ -1,0 +1,181 @@
+"""Triton kernels (GPU, or the CPU under TRITON_INTERPRET=1) for the hot-expert fused MoE: bf16/fp16/fp32
+or int8 weight-only (per-output-row fp32 scales).
+
+Only @triton.jit code lives here; kt/gpu_ops/moe.py checks, allocates, picks the config and launches.
+
+Legend: T tokens, K top-k, H hidden, I intermediate, S GPU expert slots, N = T*K token-slots.
+A "token-slot" n = t*K + k is one (token, choice) pair. The wrapper sorts token-slots by expert slot into
+blocks of BLOCK_M rows (`sorted_ids`, padded with the sentinel N) and gives each block its slot
+(`block_slot`); `num_padded[0]` is how many rows of `sorted_ids` are in use. Blocks past it return at once,
+so the grid can be sized from the worst case and nothing is read back to the host.
+
+Compute dtype code CT: 0 fp32, 1 fp16, 2 bf16. UPCAST (interpreter only) does every dot in fp32, because
+the interpreter keeps bf16 as raw bits and a bf16 tl.dot there is silently wrong.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _cast(v, CT: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return v.to(tl.float32)
+    elif CT == 2:
+        return v.to(tl.bfloat16)
+    elif CT == 1:
+        return v.to(tl.float16)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row blocks walk the N blocks together, so one slot's weight tiles are
+    # reused from L2 by the row blocks that share that slot.
+    num_in_group = GROUP_M * num_pid_n
+    group = pid // num_in_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % num_in_group) % size_m)
+    pid_n = (pid % num_in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr, w13_ptr, s13_ptr, h_ptr,
+    sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
+    num_valid, num_blocks, H, I, top_k,
+    stride_xt, stride_xh,
+    stride_we, stride_wn, stride_wh,
+    stride_se, stride_sn,
+    stride_hm, stride_hi,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """h[n, :] = silu(gate_s x_t) * (up_s x_t) for every token-slot n = t*K + k routed to slot s.
+
+    x [T, H]; w13 [S, 2I, H] (gate rows, then up rows); s13 [S, 2I] fp32 (INT8_W only);
+    h [N, I] in the compute dtype. Program: BLOCK_M sorted rows x BLOCK_N columns of gate and of up.
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_blocks, num_pid_n, GROUP_M)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M < num_padded:
+        slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok_slot = tl.load(sorted_ids_ptr + offs_m)
+        m_mask = tok_slot < num_valid
+        tok = tl.where(m_mask, tok_slot // top_k, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+        g_ptrs = w13_ptr + slot * stride_we + offs_nc[None, :] * stride_wn + offs_k[:, None] * stride_wh
+        u_ptrs = g_ptrs + I * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(H, BLOCK_K)):
+            k_mask = offs_k < H - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
+            a = _cast(a, CT, UPCAST)
+            bg = _cast(bg, CT, UPCAST)
+            bu = _cast(bu, CT, UPCAST)
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+            a_ptrs += BLOCK_K * stride_xh
+            g_ptrs += BLOCK_K * stride_wh
+            u_ptrs += BLOCK_K * stride_wh
+        if INT8_W:
+            sg = tl.load(s13_ptr + slot * stride_se + offs_nc * stride_sn)
+            su = tl.load(s13_ptr + slot * stride_se + (offs_nc + I) * stride_sn)
+            acc_g = acc_g * sg[None, :]
+            acc_u = acc_u * su[None, :]
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h_ptrs = h_ptr + tl.where(m_mask, tok_slot, 0).to(tl.int64)[:, None] * stride_hm \
+            + offs_nc[None, :] * stride_hi
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def down_kernel(
+    h_ptr, w2_ptr, s2_ptr, y_ptr, topk_w_ptr,
+    sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
+    num_valid, num_blocks, H, I,
+    stride_hm, stride_hi,
+    stride_we, stride_wn, stride_wi,
+    stride_se, stride_sn,
+    stride_ym, stride_yh,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """y[n, :] = topk_w[n] * (w2_s @ h[n, :]) in fp32, for every token-slot n routed to slot s.
+
+    h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only); topk_w [N] fp32; y [N, H] fp32.
+    Rows of y whose token-slot is not on the GPU are left unwritten (the combine never reads them).
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_blocks, num_pid_n, GROUP_M)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M < num_padded:
+        slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok_slot = tl.load(sorted_ids_ptr + offs_m)
+        m_mask = tok_slot < num_valid
+        row = tl.where(m_mask, tok_slot, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+
+        a_ptrs = h_ptr + row[:, None] * stride_hm + offs_k[None, :] * stride_hi
+        b_ptrs = w2_ptr + slot * stride_we + offs_nc[None, :] * stride_wn + offs_k[:, None] * stride_wi
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(I, BLOCK_K)):
+            k_mask = offs_k < I - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            a = _cast(a, CT, UPCAST)
+            b = _cast(b, CT, UPCAST)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_hi
+            b_ptrs += BLOCK_K * stride_wi
+        if INT8_W:
+            s = tl.load(s2_ptr + slot * stride_se + offs_nc * stride_sn)
+            acc = acc * s[None, :]
+        rw = tl.load(topk_w_ptr + row, mask=m_mask, other=0.0)
+        acc = acc * rw[:, None]
+        y_ptrs = y_ptr + row[:, None] * stride_ym + offs_nc[None, :] * stride_yh
+        tl.store(y_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    y_ptr, slot_ptr, out_ptr,
+    H, top_k,
+    stride_ym, stride_yh, stride_ot, stride_oh,
+    BLOCK_H: tl.constexpr,
+):
+    """out[t, :] = sum over k with slot[t*K + k] >= 0 of y[t*K + k, :], summed in fp32 in k order.
+
+    y [N, H] fp32; slot [N] int32 (-1 = not on the GPU); out [T, H] in its own dtype. Every element of
+    out is written (zeros for a token with no GPU expert), and the sum order is fixed, so the result is
+    deterministic.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in range(0, top_k):
+        n = t * top_k + k
+        s = tl.load(slot_ptr + n)
+        on_gpu = (offs * 0 + s) >= 0  # a block-shaped mask (a scalar & block mask fails in the interpreter)
+        v = tl.load(y_ptr + n * stride_ym + offs * stride_yh, mask=h_mask & on_gpu, other=0.0)
+        acc += v
+    tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_mask)

@@ -1,0 +1,226 @@
+"""Fused MoE over the GPU-resident ("hot") experts: check, allocate, pick the config, launch.
+
+Legend: T tokens, E experts, K top-k, H hidden, I intermediate, S GPU expert slots, N = T*K.
+Everything runs on the caller's current stream with no host synchronisation (no .item(), no .cpu(),
+no data-dependent shapes), so a call can be captured in a CUDA graph. Under TRITON_INTERPRET=1 the
+same kernels run on CPU tensors (slowly; for tests).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .configs import MoEConfig, load_table, pick_config, table_name
+
+__all__ = ["fused_moe", "align_by_slot", "kernels_interpreted"]
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_WNAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "int8"}
+
+_kernels_mod = None
+
+
+def _kernels():
+    # Imported at first launch, not with kt.gpu_ops: whether Triton interprets is fixed when the
+    # @triton.jit decorators run, so TRITON_INTERPRET only has to be set before the first call.
+    global _kernels_mod
+    if _kernels_mod is None:
+        try:
+            from . import _kernels as k
+        except ImportError as e:  # pragma: no cover - triton missing
+            raise ImportError("kt.gpu_ops needs triton: pip install 'kt[gpu]'") from e
+        _kernels_mod = k
+    return _kernels_mod
+
+
+@lru_cache(maxsize=None)
+def _device_table(index: int) -> dict:
+    return load_table(table_name(torch.cuda.get_device_name(index)))
+
+
+def kernels_interpreted() -> bool:
+    """True if the kernels run under Triton's interpreter (TRITON_INTERPRET=1 at their first use)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_kernels().gate_up_kernel, InterpretedFunction)
+
+
+def align_by_slot(slot: torch.Tensor, num_slots: int, block_m: int):
+    """Sort token-slots by expert slot into blocks of block_m rows, with no host synchronisation.
+
+    slot: [N] int64, values in [0, S) or S for "not on the GPU".
+    Returns (sorted_ids [P] int32, block_slot [P / block_m] int32, num_padded [1] int32) where
+    P = the worst case N + S*(block_m - 1) rounded up to block_m; sorted_ids holds token-slot indices
+    grouped by slot, each slot's group padded to a multiple of block_m with the sentinel N, and rows past
+    num_padded[0] unused (sentinel).
+    """
+    n = slot.numel()
+    dev = slot.device
+    s = num_slots
+    p = -(-(n + s * (block_m - 1)) // block_m) * block_m
+    counts = torch.zeros(s + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, slot, torch.ones_like(slot))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    padded[s] = 0
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(slot, stable=True)
+    sorted_slot = slot[order]
+    rank = torch.arange(n, device=dev) - count_start[sorted_slot]
+    # Token-slots not on the GPU go to a trash row past the end (dropped below).
+    dest = torch.where(sorted_slot < s, padded_start[sorted_slot] + rank, p)
+    sorted_ids = torch.full((p + 1,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_end = padded_end[:s] // block_m
+    block_slot = torch.searchsorted(block_end, torch.arange(p // block_m, device=dev), right=True)
+    block_slot = block_slot.clamp_(max=max(s - 1, 0)).to(torch.int32)
+    num_padded = padded_end[s:].to(torch.int32)
+    return sorted_ids[:p], block_slot, num_padded
+
+
+def _check(x, topk_ids, topk_weights, expert_to_slot, w13, w2, w13_scale, w2_scale):
+    def tensor(name, v):
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"fused_moe: {name} must be a torch.Tensor, got {type(v).__name__}")
+
+    for name, v in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                    ("expert_to_slot", expert_to_slot), ("w13", w13), ("w2", w2)):
+        tensor(name, v)
+    if x.ndim != 2 or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"fused_moe: x must be [T, H] bf16/fp16/fp32, got shape {tuple(x.shape)} {x.dtype}")
+    t, h = x.shape
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != t or topk_ids.dtype.is_floating_point \
+            or topk_ids.dtype == torch.bool:
+        raise ValueError(f"fused_moe: topk_ids must be an integer [T={t}, K] tensor, got "
+                         f"shape {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"fused_moe: topk_weights must be a float tensor of topk_ids' shape "
+                         f"{tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)} {topk_weights.dtype}")
+    if expert_to_slot.ndim != 1 or expert_to_slot.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_moe: expert_to_slot must be [E] int32/int64, got shape "
+                         f"{tuple(expert_to_slot.shape)} {expert_to_slot.dtype}")
+    if w13.ndim != 3 or w13.shape[2] != h or w13.shape[1] % 2:
+        raise ValueError(f"fused_moe: w13 must be [S, 2I, H={h}], got {tuple(w13.shape)}")
+    s, two_i, _ = w13.shape
+    inter = two_i // 2
+    if tuple(w2.shape) != (s, h, inter):
+        raise ValueError(f"fused_moe: w2 must be [S={s}, H={h}, I={inter}] to match w13, got {tuple(w2.shape)}")
+    if w13.dtype != w2.dtype:
+        raise ValueError(f"fused_moe: w13 and w2 must share a dtype, got {w13.dtype} and {w2.dtype}")
+    if w13.dtype == torch.int8:
+        if w13_scale is None or w2_scale is None:
+            raise ValueError("fused_moe: int8 weights need w13_scale [S, 2I] and w2_scale [S, H] (fp32)")
+        tensor("w13_scale", w13_scale)
+        tensor("w2_scale", w2_scale)
+        if tuple(w13_scale.shape) != (s, two_i) or w13_scale.dtype != torch.float32:
+            raise ValueError(f"fused_moe: w13_scale must be [S={s}, 2I={two_i}] fp32, got "
+                             f"{tuple(w13_scale.shape)} {w13_scale.dtype}")
+        if tuple(w2_scale.shape) != (s, h) or w2_scale.dtype != torch.float32:
+            raise ValueError(f"fused_moe: w2_scale must be [S={s}, H={h}] fp32, got "
+                             f"{tuple(w2_scale.shape)} {w2_scale.dtype}")
+    elif w13.dtype in _FLOAT_DTYPES:
+        if w13_scale is not None or w2_scale is not None:
+            raise ValueError(f"fused_moe: scales are only for int8 weights, weights are {w13.dtype}")
+    else:
+        raise ValueError(f"fused_moe: weights must be bf16/fp16/fp32 or int8, got {w13.dtype}")
+    dev = x.device
+    named = [("topk_ids", topk_ids), ("topk_weights", topk_weights), ("expert_to_slot", expert_to_slot),
+             ("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)]
+    for name, v in named:
+        if v is not None and v.device != dev:
+            raise ValueError(f"fused_moe: {name} is on {v.device}, x is on {dev}; all must share a device")
+    return t, h, s, inter
+
+
+def _compute_dtype(x_dtype, w_dtype):
+    if w_dtype != torch.int8:
+        return w_dtype
+    return x_dtype if x_dtype != torch.float32 else torch.bfloat16
+
+
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              expert_to_slot: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              config: MoEConfig | None = None) -> torch.Tensor:
+    """The MoE output of the GPU-resident experts, on the caller's current stream.
+
+    x [T, H] bf16/fp16/fp32; topk_ids [T, K] int (-1 = skip); topk_weights [T, K] float;
+    expert_to_slot [E] int32/int64 (slot of each expert in w13/w2, -1 = not on the GPU: skipped; ids
+    outside [0, E) and slots outside [0, S) are skipped too, since checking them would need a host sync);
+    w13 [S, 2I, H] (gate rows, then up rows) and w2 [S, H, I], bf16/fp16/fp32 or int8 with
+    w13_scale [S, 2I] and w2_scale [S, H] fp32 (per output row).
+    Returns out [T, H] in x's dtype:
+    out[t] = sum over k with a GPU slot s of topk_weights[t, k] * w2[s] @ (silu(gate_s x_t) * up_s x_t),
+    with fp32 accumulation; the SiLU*up intermediate is rounded to the compute dtype (the weights'
+    float dtype, or x's for int8 weights) before the down GEMM. A token with no GPU expert gets zeros.
+    config: a MoEConfig to force; default from the tuned table for this GPU, else the heuristic.
+    """
+    t, h, s, inter = _check(x, topk_ids, topk_weights, expert_to_slot, w13, w2, w13_scale, w2_scale)
+    k = topk_ids.shape[1]
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0 or h == 0:
+        return out
+    if config is not None and not isinstance(config, MoEConfig):
+        raise TypeError(f"fused_moe: config must be a MoEConfig, got {type(config).__name__}")
+    kern = _kernels()
+    interp = kernels_interpreted()
+    if x.device.type == "cpu" and not interp:
+        raise RuntimeError("fused_moe: CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 "
+                           "before the first kt.gpu_ops call (or pass CUDA tensors)")
+    if x.device.type == "cuda" and interp:
+        raise RuntimeError("fused_moe: kernels were set up under TRITON_INTERPRET=1 and cannot take CUDA "
+                           "tensors in this process")
+    if config is None:
+        table = _device_table(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
+            if x.device.type == "cuda" else {}
+        config = pick_config(t, k, s, h, inter, _WNAME[w13.dtype], table)
+    if s == 0 or inter == 0 or k == 0:
+        return out.zero_()
+
+    dev = x.device
+    n = t * k
+    e = expert_to_slot.shape[0]
+    ids = topk_ids.reshape(n).to(torch.int64)
+    e2s = expert_to_slot.to(torch.int64)
+    valid_id = (ids >= 0) & (ids < e)
+    slot = torch.where(valid_id, e2s[ids.clamp(0, max(e - 1, 0))], -1) if e else torch.full_like(ids, -1)
+    slot = torch.where((slot >= 0) & (slot < s), slot, s)
+    slot32 = torch.where(slot < s, slot, -1).to(torch.int32)
+    bm = config.block_m
+    sorted_ids, block_slot, num_padded = align_by_slot(slot, s, bm)
+    num_blocks = block_slot.numel()
+
+    cdt = _compute_dtype(x.dtype, w13.dtype)
+    ct = _CT[cdt]
+    int8w = w13.dtype == torch.int8
+    xc = x.contiguous()
+    rw = topk_weights.reshape(n).to(torch.float32).contiguous()
+    hbuf = torch.empty((n, inter), dtype=cdt, device=dev)
+    y = torch.empty((n, h), dtype=torch.float32, device=dev)
+    s13 = w13_scale if int8w else w13  # any tensor: not read when INT8_W is off
+    s2 = w2_scale if int8w else w2
+    s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
+    s2_strides = (s2.stride(0), s2.stride(1)) if int8w else (0, 0)
+    meta = dict(BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                INT8_W=int8w, CT=ct, UPCAST=interp, num_warps=config.num_warps, num_stages=config.num_stages)
+
+    grid = (num_blocks * -(-inter // config.block_n),)
+    kern.gate_up_kernel[grid](
+        xc, w13, s13, hbuf, sorted_ids, block_slot, num_padded,
+        n, num_blocks, h, inter, k,
+        xc.stride(0), xc.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        *s13_strides, hbuf.stride(0), hbuf.stride(1), **meta)
+    grid = (num_blocks * -(-h // config.block_n),)
+    kern.down_kernel[grid](
+        hbuf, w2, s2, y, rw, sorted_ids, block_slot, num_padded,
+        n, num_blocks, h, inter,
+        hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        *s2_strides, y.stride(0), y.stride(1), **meta)
+    block_h = min(1024, max(16, 1 << (h - 1).bit_length()))
+    kern.combine_kernel[(t, -(-h // block_h))](
+        y, slot32, out, h, k, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        BLOCK_H=block_h, num_warps=4)
+    return out

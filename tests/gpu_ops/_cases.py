@@ -1,0 +1,115 @@
+"""Kernel cases for test_moe.py: each runs fused_moe on `device` and asserts against kt.reference.
+
+They run in the Triton-interpreter worker process on the CPU (see conftest.py), so they take plain,
+picklable arguments and raise AssertionError on failure.
+
+Tolerances (norm-wise relative error ||out - ref|| / ||ref||, plus an elementwise bound at 4x that
+relative to max|ref|):
+- fp32 x and weights: 1e-5 (fp32 accumulation in another order; the interpreter's fp32 dot is full
+  fp32). On a GPU the fp32 dot is tf32: 2e-3.
+- bf16 x and weights: the reference gets the same bf16 values in fp32; the kernel rounds the SiLU*up
+  intermediate and the output to bf16 (2^-9 relative each with round-to-nearest, up to 2^-8 with the
+  interpreter's truncation), so the norm-wise error is ~5e-3: bound 1.2e-2.
+- int8 weight-only: compared with the reference on the dequantised weights (q * row scale), so only
+  the bf16 rounding of activations/intermediate/output remains, as for bf16: bound 1.2e-2.
+"""
+import numpy as np
+import torch
+
+from kt import reference as R
+from kt.testing import assert_close, random_expert_weights
+
+
+def routing(gen, t, e, k, skip_frac=0.0):
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else \
+        torch.zeros((0, k), dtype=torch.int64)
+    if skip_frac and t:
+        ids[torch.rand(t, k, generator=gen) < skip_frac] = -1
+    w = torch.rand(t, k, generator=gen) + 0.05
+    return ids, w
+
+
+def weights(s, h, i, seed):
+    g, u, d = random_expert_weights(s, h, i, seed=seed)
+    return torch.from_numpy(np.concatenate([g, u], axis=1)), torch.from_numpy(d)
+
+
+def full_weights(e2s, w13s, w2s):
+    """Scatter slot weights back to full-E stacks for the reference; skip_mask marks non-GPU experts."""
+    e = e2s.numel()
+    full13 = np.zeros((e, *w13s.shape[1:]), np.float32)
+    full2 = np.zeros((e, *w2s.shape[1:]), np.float32)
+    for ex in range(e):
+        if e2s[ex] >= 0:
+            full13[ex] = w13s[int(e2s[ex])]
+            full2[ex] = w2s[int(e2s[ex])]
+    return full13, full2, (e2s < 0).numpy()
+
+
+def quant_int8(w):
+    """Per-output-row int8 of a [S, N, D] stack -> (q int8 [S, N, D], scale fp32 [S, N], dequantised)."""
+    qs = [R.quantize(w[s], "int8") for s in range(w.shape[0])]
+    if not qs:
+        return torch.zeros(w.shape, dtype=torch.int8), torch.zeros(w.shape[:2]), np.zeros(w.shape, np.float32)
+    q = torch.from_numpy(np.stack([x.q for x in qs]))
+    sc = torch.from_numpy(np.stack([x.scale for x in qs]))
+    return q, sc, np.stack([R.dequantize(x) for x in qs])
+
+
+def fused_case(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac=0.1, config=None):
+    from kt.gpu_ops import MoEConfig, fused_moe
+
+    gen = torch.Generator().manual_seed(seed)
+    e2s = torch.tensor(e2s_list, dtype=torch.int32)
+    s = int(e2s.max()) + 1 if (e2s >= 0).any() else 0
+    ids, w = routing(gen, t, e, k, skip_frac)
+    x = torch.randn(t, h, generator=gen)
+    w13, w2 = weights(max(s, 1), h, i, seed)
+    w13, w2 = w13[:s], w2[:s]
+    kw = {}
+    if dtype == "int8":
+        xd = x.to(torch.bfloat16)
+        w13d, s13, ref_w13 = quant_int8(w13)
+        w2d, s2, ref_w2 = quant_int8(w2)
+        kw = dict(w13_scale=s13.to(device), w2_scale=s2.to(device))
+        tol = 1.2e-2
+    else:
+        tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        xd, w13d, w2d = x.to(tdt), w13.to(tdt), w2.to(tdt)
+        ref_w13, ref_w2 = R.to_numpy_f32(w13d), R.to_numpy_f32(w2d)
+        tol = 1.2e-2 if dtype == "bf16" else (1e-5 if device == "cpu" else 2e-3)
+    if config is not None:
+        kw["config"] = MoEConfig(**config)
+    full13, full2, skip = full_weights(e2s, ref_w13, ref_w2)
+    ref = R.moe_forward(xd, ids, w, full13, full2, skip_mask=skip)
+    out = fused_moe(xd.to(device), ids.to(device), w.to(device), e2s.to(device), w13d.to(device),
+                    w2d.to(device), **kw)
+    assert out.shape == (t, h) and out.dtype == xd.dtype, (out.shape, out.dtype)
+    if t == 0:
+        return 0.0
+    err = R.relative_error(out, ref)
+    assert err <= tol, f"T={t} {dtype}: relative error {err:.3g} > {tol}"
+    scale = float(np.abs(ref).max()) or 1.0
+    assert_close(ref, out, rtol=4 * tol, atol=4 * tol * scale, what=f"T={t} {dtype}")
+    return err
+
+
+def routed_case(device, ids_list, e2s_list, h, i, seed):
+    """Fixed routing (ids may be -1); fp32, so the bound is tight. Returns the output."""
+    from kt.gpu_ops import fused_moe
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(ids_list, dtype=torch.int64)
+    t, k = ids.shape
+    e2s = torch.tensor(e2s_list, dtype=torch.int32)
+    s = int(e2s.max()) + 1 if (e2s >= 0).any() else 0
+    w = torch.rand(t, k, generator=gen)
+    x = torch.randn(t, h, generator=gen)
+    w13, w2 = weights(max(s, 1), h, i, seed)
+    w13, w2 = w13[:s], w2[:s]
+    full13, full2, skip = full_weights(e2s, w13.numpy(), w2.numpy())
+    ref = R.moe_forward(x, ids, w, full13, full2, skip_mask=skip)
+    out = fused_moe(x.to(device), ids.to(device), w.to(device), e2s.to(device), w13.to(device), w2.to(device))
+    tol = 1e-5 if device == "cpu" else 2e-3
+    assert_close(ref, out, rtol=tol, atol=tol * (float(np.abs(ref).max()) or 1.0), what="routed case")
+    return out.cpu()

@@ -1,0 +1,146 @@
+"""kt.gpu_ops.fused_moe vs kt.reference.moe_forward.
+
+Kernel cases (in _cases.py, where the tolerances are stated) run on the GPU where there is one, else
+under the Triton interpreter in a worker process (conftest.py). Input checks and the slot alignment
+run here.
+"""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import _cases
+from kt.gpu_ops import fused_moe
+from kt.gpu_ops.moe import align_by_slot
+
+# Non-contiguous slot maps (holes, slots out of expert order). With T=1 at most K experts are routed,
+# so some GPU slots get no token.
+E2S_A = [3, -1, 0, 5, -1, 1, 2, 4]
+E2S_B = [-1, 2, -1, -1, 0, -1, 1, -1]
+
+
+@pytest.mark.parametrize("t,k,h,i,e2s,dtype", [
+    (1, 2, 64, 32, E2S_A, "bf16"),
+    (7, 4, 128, 96, E2S_B, "bf16"),
+    (33, 4, 128, 96, E2S_A, "bf16"),
+    (33, 2, 64, 32, list(range(8)), "fp32"),
+    (7, 3, 128, 96, E2S_A, "fp32"),
+    (1, 4, 128, 64, E2S_B, "int8"),
+    (33, 4, 64, 96, E2S_A, "int8"),
+    (0, 2, 64, 32, E2S_A, "bf16"),
+])
+def test_fused_moe_vs_reference(run_case, t, k, h, i, e2s, dtype):
+    run_case(_cases.fused_case, t, 8, k, h, i, e2s, dtype, 100 + t + k + h + i)
+
+
+def test_forced_config_edges(run_case):
+    # block_m larger than any slot's rows, block_k > H, group_m not dividing the row blocks.
+    cfg = dict(block_m=32, block_n=64, block_k=128, group_m=3, num_warps=4, num_stages=2)
+    run_case(_cases.fused_case, 7, 8, 2, 64, 32, E2S_A, "fp32", 11, 0.0, cfg)
+
+
+def test_expert_without_tokens(run_case):
+    # Every token goes to experts 0 and 1 only: the slots of experts 2..7 get nothing.
+    ids = [[0, 1] if j % 2 else [1, 0] for j in range(9)]
+    run_case(_cases.routed_case, ids, [2, 0, 1, 3, 4, 5, 6, 7], 64, 32, 7)
+
+
+def test_skipped_and_cpu_only_tokens_give_zeros(run_case):
+    # Token 0: all ids -1; token 1: only CPU experts; token 2: one GPU expert.
+    out = run_case(_cases.routed_case, [[-1, -1], [1, 2], [1, 0]], [0, -1, -1, 1], 64, 32, 5)
+    assert torch.equal(out[:2], torch.zeros(2, 64)) and out[2].abs().sum() > 0
+
+
+def test_all_ids_skipped_gives_zeros(run_case):
+    out = run_case(_cases.routed_case, [[-1, -1]] * 7, [0, 1, -1], 64, 32, 1)
+    assert torch.equal(out, torch.zeros(7, 64))
+
+
+def test_no_slots_gives_zeros(run_case):
+    out = run_case(_cases.routed_case, [[0, 1]] * 5, [-1, -1], 64, 32, 2)
+    assert torch.equal(out, torch.zeros(5, 64))
+
+
+def test_cpu_tensors_without_interpreter_is_a_clear_error():
+    # In a fresh process without TRITON_INTERPRET: triton must not be imported in this one.
+    code = ("import torch\nfrom kt.gpu_ops import fused_moe\n"
+            "try:\n    fused_moe(torch.randn(2, 64), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1),"
+            " torch.zeros(1, dtype=torch.int32), torch.randn(1, 64, 64), torch.randn(1, 64, 32))\n"
+            "except RuntimeError as e:\n    print('ERR', e)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    if "CUDA" in r.stdout and "cannot take" in r.stdout:
+        pytest.fail(r.stdout)
+    assert "ERR fused_moe: CPU tensors need the Triton interpreter" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("n,s,bm", [(1, 3, 16), (37, 4, 16), (64, 5, 32), (0, 2, 16)])
+def test_align_by_slot(n, s, bm):
+    gen = torch.Generator().manual_seed(n + s)
+    slot = torch.randint(0, s + 1, (n,), generator=gen)  # value s = not on the GPU
+    sorted_ids, block_slot, num_padded = align_by_slot(slot, s, bm)
+    p = sorted_ids.numel()
+    assert p % bm == 0 and p >= n + s * (bm - 1) and block_slot.numel() == p // bm
+    used = int(num_padded[0])
+    counts = [int((slot == j).sum()) for j in range(s)]
+    assert used == sum(-(-c // bm) * bm for c in counts)
+    assert torch.all(sorted_ids[used:] == n)
+    seen = []
+    for b in range(used // bm):
+        rows = sorted_ids[b * bm:(b + 1) * bm]
+        real = rows[rows < n]
+        assert torch.all(slot[real.long()] == block_slot[b]), "a row sits in another slot's block"
+        seen += real.tolist()
+    on_gpu = sorted(torch.nonzero(slot < s).flatten().tolist())
+    assert sorted(seen) == on_gpu, "each GPU token-slot must appear exactly once"
+
+
+def _args(device="cpu", t=3, k=2, h=64, i=32, s=2, e=4):
+    return dict(x=torch.randn(t, h), topk_ids=torch.zeros(t, k, dtype=torch.int64),
+                topk_weights=torch.rand(t, k), expert_to_slot=torch.tensor([0, 1, -1, -1][:e], dtype=torch.int32),
+                w13=torch.randn(s, 2 * i, h), w2=torch.randn(s, h, i))
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(x=torch.randn(3, 64, 1)), ValueError, "x must be"),
+    (dict(x=torch.randn(3, 64).to(torch.int32)), ValueError, "x must be"),
+    (dict(topk_ids=torch.zeros(3, 2)), ValueError, "topk_ids"),
+    (dict(topk_ids=torch.zeros(4, 2, dtype=torch.int64)), ValueError, "topk_ids"),
+    (dict(topk_weights=torch.rand(3, 3)), ValueError, "topk_weights"),
+    (dict(expert_to_slot=torch.zeros(4)), ValueError, "expert_to_slot"),
+    (dict(w13=torch.randn(2, 64, 32)), ValueError, "w13"),
+    (dict(w13=torch.randn(2, 63, 64)), ValueError, "w13"),
+    (dict(w2=torch.randn(2, 64, 16)), ValueError, "w2"),
+    (dict(w2=torch.randn(2, 64, 32).to(torch.bfloat16)), ValueError, "share a dtype"),
+    (dict(w13=torch.zeros(2, 64, 64, dtype=torch.int8), w2=torch.zeros(2, 64, 32, dtype=torch.int8)),
+     ValueError, "int8 weights need"),
+    (dict(w13_scale=torch.ones(2, 64)), ValueError, "only for int8"),
+    (dict(x=[[1.0]]), TypeError, "x must be a torch.Tensor"),
+])
+def test_bad_input(change, exc, match):
+    args = _args()
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        fused_moe(args.pop("x"), args.pop("topk_ids"), args.pop("topk_weights"), args.pop("expert_to_slot"),
+                  args.pop("w13"), args.pop("w2"), **args)
+
+
+def test_bad_int8_scales():
+    a = _args()
+    w13 = torch.zeros(2, 64, 64, dtype=torch.int8)
+    w2 = torch.zeros(2, 64, 32, dtype=torch.int8)
+    with pytest.raises(ValueError, match="w13_scale must be"):
+        fused_moe(a["x"], a["topk_ids"], a["topk_weights"], a["expert_to_slot"], w13, w2,
+                  w13_scale=torch.ones(2, 32), w2_scale=torch.ones(2, 64))
+    with pytest.raises(ValueError, match="w2_scale must be"):
+        fused_moe(a["x"], a["topk_ids"], a["topk_weights"], a["expert_to_slot"], w13, w2,
+                  w13_scale=torch.ones(2, 64), w2_scale=torch.ones(2, 64, dtype=torch.float64))
+
+
+def test_bad_config():
+    a = _args()
+    with pytest.raises(TypeError, match="config must be a MoEConfig"):
+        fused_moe(a["x"], a["topk_ids"], a["topk_weights"], a["expert_to_slot"], a["w13"], a["w2"],
+                  config={"block_m": 16})
