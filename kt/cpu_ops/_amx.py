@@ -1,0 +1,236 @@
+"""AMX (tile) instructions in Numba: one @intrinsic per instruction, plus the permission guard.
+
+The intrinsics address the eight *physical* tile registers, so a tile number must be a literal in
+the kernel source (``tdpbssd(0, 4, 6)``); a non-literal is a typing error. The tile shapes come from
+a 64-byte palette-1 configuration loaded with ``ldtilecfg`` (``set_tilecfg`` fills one), once per
+kernel call (and again only when the shapes change, e.g. for a tail of rows); ``tilerelease`` at
+exit returns the tile state to INIT so context switches stay cheap.
+
+Memory operands take ``(array, index)``: ``index`` counts elements of the array's own dtype from the
+array's data pointer (a flat index into a C-contiguous array); ``stride`` is in **bytes**, as the
+instruction wants. The address is a GEP from the array's data pointer, so LLVM keeps track of what
+the tile instruction may read or write.
+
+Executing any of these without the Linux tile-data permission kills the process with SIGILL, and
+compiling them for a target without AMX aborts it inside LLVM. ``require_amx`` is the one guard:
+``kernels_amx`` calls it at import, so no AMX kernel can be compiled or run in a process where
+``kt.cpu_ops.isa`` has not found AMX runnable (``isa.detect`` makes the ``arch_prctl`` request).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, register_jitable
+
+__all__ = [
+    "install_cache", "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
+    "tileloadd64", "tilestored64", "tdpbssd", "tdpbsud", "tdpbf16ps",
+]
+
+_I8 = ir.IntType(8)
+_I64 = ir.IntType(64)
+_PTR = ir.IntType(8).as_pointer()
+_VOID = ir.VoidType()
+
+_compile_only = False
+
+
+def allow_compile_only() -> None:
+    """Let ``kernels_amx`` be imported where AMX cannot run, to inspect its assembly only.
+
+    For tests that compile for an explicit AMX target (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``
+    with ``+amx-tile,+amx-int8,+amx-bf16``) in a subprocess; calling a kernel there would SIGILL.
+    """
+    global _compile_only
+    _compile_only = True
+
+
+def _numba_target_has_amx() -> bool:
+    from numba.core import config
+
+    feats = (config.CPU_FEATURES or "").split(",")
+    return all(f"+{f}" in feats for f in ("amx-tile", "amx-int8", "amx-bf16"))
+
+
+def require_amx() -> str:
+    """Raise ``isa.UnsupportedVariantError`` unless this process may use AMX kernels.
+
+    Returns ``"run"`` where ``isa`` found AMX runnable (hardware + arch_prctl permission granted),
+    or ``"compile-only"`` after ``allow_compile_only()`` when Numba's target was set explicitly to
+    one with AMX (assembly inspection on a host without AMX).
+    """
+    from . import isa
+
+    host = isa.detect().host
+    if host.can_run("amx"):
+        return "run"
+    if _compile_only and _numba_target_has_amx():
+        return "compile-only"
+    why = (f"the CPU lacks {host.missing('amx')}" if host.missing("amx")
+           else f"Linux refused the AMX tile permission ({host.amx_error})")
+    raise isa.UnsupportedVariantError(
+        f"AMX kernels cannot run in this process: {why} "
+        f"(CPU {host.model_name or host.cpu_name}); use a lower variant from kt.cpu_ops.registry")
+
+
+def install_cache() -> None:
+    """``cache.install()``, tolerating numba 0.68's rename of ``caching._CacheImpl``.
+
+    cache.py (not this module's to edit) names ``caching._CacheImpl``, which numba 0.68 calls
+    ``CacheImpl``; alias it so kt's cache locator is registered. Drop once cache.py is fixed.
+    """
+    from numba.core import caching
+
+    from . import cache
+
+    if not hasattr(caching, "_CacheImpl") and hasattr(caching, "CacheImpl"):
+        caching._CacheImpl = caching.CacheImpl
+    cache.install()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _tile(t, what: str) -> int:
+    if not isinstance(t, types.IntegerLiteral):
+        raise TypingError(f"AMX {what}: tile numbers must be integer literals, got {t}")
+    v = t.literal_value
+    if not 0 <= v <= 7:
+        raise TypingError(f"AMX {what}: tile number must be in 0..7, got {v}")
+    return v
+
+
+def _address(context, builder, aryty, ary, index):
+    """i8* to element ``index`` of array ``ary``."""
+    a = context.make_array(aryty)(context, builder, ary)
+    p = builder.gep(a.data, [index])
+    return builder.bitcast(p, _PTR)
+
+
+def _call(builder, name: str, argtys, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VOID, argtys), name)
+    builder.call(fn, args)
+
+
+def _check_mem(ary, index, what: str):
+    if not isinstance(ary, types.Array):
+        raise TypingError(f"AMX {what}: expected an array, got {ary}")
+    if not isinstance(index, types.Integer):
+        raise TypingError(f"AMX {what}: element index must be an integer, got {index}")
+
+
+# ----------------------------------------------------------------------------- configuration
+
+@register_jitable
+def set_tilecfg(cfg, tile, rows, colsb):
+    """Write one tile's shape into a 64-byte palette-1 config (uint8 [64]).
+
+    Byte 0 palette (1), byte 1 start_row (0), bytes 16+2t colsb of tile t (uint16 LE), byte 48+t
+    rows of tile t. Unused tiles stay 0 (unconfigured).
+    """
+    cfg[0] = 1
+    cfg[1] = 0
+    cfg[16 + 2 * tile] = colsb & 0xFF
+    cfg[17 + 2 * tile] = (colsb >> 8) & 0xFF
+    cfg[48 + tile] = rows
+
+
+@intrinsic
+def ldtilecfg(typingctx, cfg):
+    """Load the tile configuration from ``cfg`` (uint8 [64], palette 1)."""
+    _check_mem(cfg, types.intp, "ldtilecfg")
+
+    def codegen(context, builder, sig, args):
+        p = _address(context, builder, sig.args[0], args[0], ir.Constant(_I64, 0))
+        _call(builder, "llvm.x86.ldtilecfg", [_PTR], [p])
+        return context.get_dummy_value()
+
+    return types.none(cfg), codegen
+
+
+@intrinsic
+def tilerelease(typingctx):
+    """Return the tile state to INIT (all tiles unconfigured)."""
+
+    def codegen(context, builder, sig, args):
+        _call(builder, "llvm.x86.tilerelease", [], [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+# ----------------------------------------------------------------------------- tiles
+
+@intrinsic(prefer_literal=True)
+def tilezero(typingctx, tile):
+    t = _tile(tile, "tilezero")
+
+    def codegen(context, builder, sig, args):
+        _call(builder, "llvm.x86.tilezero", [_I8], [ir.Constant(_I8, t)])
+        return context.get_dummy_value()
+
+    return types.none(tile), codegen
+
+
+@intrinsic(prefer_literal=True)
+def tileloadd64(typingctx, tile, ary, index, stride):
+    """Load tile ``tile`` from ``ary`` at element ``index``; rows are ``stride`` bytes apart."""
+    t = _tile(tile, "tileloadd64")
+    _check_mem(ary, index, "tileloadd64")
+
+    def codegen(context, builder, sig, args):
+        idx = context.cast(builder, args[2], sig.args[2], types.int64)
+        st = context.cast(builder, args[3], sig.args[3], types.int64)
+        p = _address(context, builder, sig.args[1], args[1], idx)
+        _call(builder, "llvm.x86.tileloadd64", [_I8, _PTR, _I64], [ir.Constant(_I8, t), p, st])
+        return context.get_dummy_value()
+
+    return types.none(tile, ary, index, stride), codegen
+
+
+@intrinsic(prefer_literal=True)
+def tilestored64(typingctx, tile, ary, index, stride):
+    """Store tile ``tile`` to ``ary`` at element ``index``; rows are ``stride`` bytes apart."""
+    t = _tile(tile, "tilestored64")
+    _check_mem(ary, index, "tilestored64")
+
+    def codegen(context, builder, sig, args):
+        idx = context.cast(builder, args[2], sig.args[2], types.int64)
+        st = context.cast(builder, args[3], sig.args[3], types.int64)
+        p = _address(context, builder, sig.args[1], args[1], idx)
+        _call(builder, "llvm.x86.tilestored64", [_I8, _PTR, _I64], [ir.Constant(_I8, t), p, st])
+        return context.get_dummy_value()
+
+    return types.none(tile, ary, index, stride), codegen
+
+
+def _dot_codegen(name: str, d: int, x: int, y: int):
+    def codegen(context, builder, sig, args):
+        _call(builder, f"llvm.x86.{name}", [_I8, _I8, _I8],
+              [ir.Constant(_I8, d), ir.Constant(_I8, x), ir.Constant(_I8, y)])
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic(prefer_literal=True)
+def tdpbssd(typingctx, dst, a, b):
+    """C[dst] (int32 [rows, 16]) += A[a] (int8) . B[b] (int8): 4-way dot products."""
+    g = _dot_codegen("tdpbssd", _tile(dst, "tdpbssd"), _tile(a, "tdpbssd"), _tile(b, "tdpbssd"))
+    return types.none(dst, a, b), g
+
+
+@intrinsic(prefer_literal=True)
+def tdpbsud(typingctx, dst, a, b):
+    """C[dst] (int32 [rows, 16]) += A[a] (int8) . B[b] (uint8): 4-way dot products."""
+    g = _dot_codegen("tdpbsud", _tile(dst, "tdpbsud"), _tile(a, "tdpbsud"), _tile(b, "tdpbsud"))
+    return types.none(dst, a, b), g
+
+
+@intrinsic(prefer_literal=True)
+def tdpbf16ps(typingctx, dst, a, b):
+    """C[dst] (fp32 [rows, 16]) += A[a] (bf16) . B[b] (bf16): pair dot products."""
+    g = _dot_codegen("tdpbf16ps", _tile(dst, "tdpbf16ps"), _tile(a, "tdpbf16ps"),
+                     _tile(b, "tdpbf16ps"))
+    return types.none(dst, a, b), g

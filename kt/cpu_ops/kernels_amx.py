@@ -1,0 +1,546 @@
+"""AMX (AMX-INT8 / AMX-BF16 tiles): INT8, INT4 and BF16 GEMM kernels, small-M and large-M paths.
+
+Contract and data layout: kt/cpu_ops/README.md and packing.py. Tile registers are used the same
+way in every kernel: C (accumulators) 0-3, A (activations) 4-5, B (weights) 6-7, so one config
+builder serves all of them. A B tile is 16 "k4 rows" (int8: 4 k of 16 outputs; bf16: 2 k) of 64
+bytes; in the packed layout the B tile of (block b, k-step s) is the contiguous 1 KiB at
+``data[b, 16 s : 16 s + 16]``, loaded with a 64-byte stride.
+
+- ``gemv_*`` (decode, small M): A tiles are loaded straight from the activations with the row
+  stride; the tile config has ``rows = min(M, 16)`` (reloaded once for a tail of rows). Four
+  16-output blocks per pass share one A tile (C 0-3, B 6/7 alternating).
+- ``gemm_*`` (prefill): A is first copied into tile order (zero rows pad M to a multiple of 32, so
+  every tile is full and the config never changes); 2x2 tiles = a 32x32 output per step; loops are
+  blocked so that a K slice of the two B blocks (16 KiB) stays in L1 while every 32-row panel of an
+  M chunk (about 512 KiB of A, in L2) passes over it; int32/fp32 partial sums go through a small
+  buffer between K slices.
+
+INT4 choice: each group's nibbles are unpacked to *signed* int8 (q = nibble - 8) in a small scratch
+tile and multiplied with ``tdpbssd``; the int32 tile is flushed into an fp32 accumulator with the
+group's scales after every group (G = 32 uses half-depth tiles: K 32 per instruction, so no tile
+straddles two groups). The alternative, ``tdpbsud`` on the raw nibble q + 8 with a per-(token,
+group) correction 8 * sum(x), saves one subtract per unpacked byte but adds one per accumulator
+element at every group flush. The flush is the INT4 hot spot (it runs once per group per 16x16
+tile, the unpack once per group per B tile and is then reused by every row tile of an M chunk), so
+the signed unpack is the cheaper side in prefill and costs only ~16 vector ops per KiB of B in decode.
+
+This module calls ``_amx.require_amx()`` at import: it raises unless ``kt.cpu_ops.isa`` found AMX
+runnable (hardware and arch_prctl permission), so no AMX code is compiled or run elsewhere.
+"""
+import numpy as np
+from numba import njit
+
+from ._amx import (install_cache, ldtilecfg, require_amx, set_tilecfg, tdpbf16ps, tdpbssd, tilezero,
+                   tileloadd64, tilerelease, tilestored64)
+
+AMX_MODE = require_amx()
+install_cache()  # cache.install(), see _amx.install_cache
+
+__all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
+           "gemm_int8_blocked", "gemm_int4_blocked", "gemm_bf16_blocked", "peak_int8",
+           "peak_bf16", "default_mc"]
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+@njit(nogil=True, cache=True)
+def _config(cfg, rows, kbytes):
+    """Load the one tile config: C 0-3 rows x 64 B, A 4-5 rows x kbytes, B 6-7 kbytes/4 x 64 B."""
+    for i in range(64):
+        cfg[i] = 0
+    for t in range(4):
+        set_tilecfg(cfg, t, rows, 64)
+    set_tilecfg(cfg, 4, rows, kbytes)
+    set_tilecfg(cfg, 5, rows, kbytes)
+    set_tilecfg(cfg, 6, kbytes // 4, 64)
+    set_tilecfg(cfg, 7, kbytes // 4, 64)
+    ldtilecfg(cfg)
+
+
+@njit(nogil=True, cache=True)
+def default_mc(row_bytes):
+    """Rows of an M chunk: about 512 KiB of A (L2-resident), a multiple of 32, at least 32."""
+    mc = (1 << 19) // row_bytes // 32 * 32
+    return max(mc, 32)
+
+
+@njit(nogil=True, cache=True)
+def _pack_a(x, ks, kel):
+    """x [M, ks * kel] -> [2 * ceil(M / 32), ks, 16, kel]: every A tile as 1 KiB, zero-padded rows."""
+    m_all = x.shape[0]
+    mt = (m_all + 31) // 32 * 2
+    a = np.zeros((mt, ks, 16, kel), x.dtype)
+    for m in range(m_all):
+        t = m // 16
+        i = m % 16
+        for s in range(ks):
+            for c in range(kel):
+                a[t, s, i, c] = x[m, s * kel + c]
+    return a
+
+
+@njit(nogil=True, cache=True)
+def _unpack_int4(dflat, src_line, nlines, dst, dst_off):
+    """INT4 lines -> signed int8 k4 rows: line j gives rows 2j (low nibbles) and 2j+1 (high).
+
+    dflat: the packed uint8 data, flat; src_line: first line (64 B) to read; dst: int8 flat scratch.
+    """
+    for j in range(nlines):
+        s = (src_line + j) * 64
+        o = dst_off + j * 128
+        for c in range(64):
+            v = dflat[s + c]
+            dst[o + c] = (v & 15) - 8
+            dst[o + 64 + c] = (v >> 4) - 8
+
+
+# ----------------------------------------------------------------------------- INT8
+
+@njit(nogil=True, cache=True)
+def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
+    """Small-M INT8: out[m, n] = xs[m] * scale[n] * sum_k xq[m, k] q[n, k] for n in blocks [nb0, nb1).
+
+    xq int8 [M, d_pad]; xs fp32 [M]; data int8 [NB, d_pad/4, 16, 4]; scale fp32 [n_pad];
+    wsum unused (signed x signed needs no compensation); out fp32 [M, >= 16 nb1].
+    """
+    m_all = xq.shape[0]
+    ks = xq.shape[1] // 64
+    xst = xq.strides[0]
+    blk = data.shape[1] * 64
+    cfg = np.zeros(64, np.uint8)
+    cb = np.empty((16, 64), np.int32)
+    rows_cfg = 0
+    for m0 in range(0, m_all, 16):
+        r = min(16, m_all - m0)
+        if r != rows_cfg:
+            _config(cfg, r, 64)
+            rows_cfg = r
+        xo = m0 * xst
+        for b in range(nb0, nb1, 4):
+            nq = min(4, nb1 - b)
+            o = b * blk
+            tilezero(0)
+            tilezero(1)
+            tilezero(2)
+            tilezero(3)
+            for s in range(ks):
+                tileloadd64(4, xq, xo + 64 * s, xst)
+                tileloadd64(6, data, o + 1024 * s, 64)
+                tdpbssd(0, 4, 6)
+                if nq > 1:
+                    tileloadd64(7, data, o + blk + 1024 * s, 64)
+                    tdpbssd(1, 4, 7)
+                if nq > 2:
+                    tileloadd64(6, data, o + 2 * blk + 1024 * s, 64)
+                    tdpbssd(2, 4, 6)
+                if nq > 3:
+                    tileloadd64(7, data, o + 3 * blk + 1024 * s, 64)
+                    tdpbssd(3, 4, 7)
+            tilestored64(0, cb, 0, 256)
+            if nq > 1:
+                tilestored64(1, cb, 16, 256)
+            if nq > 2:
+                tilestored64(2, cb, 32, 256)
+            if nq > 3:
+                tilestored64(3, cb, 48, 256)
+            n0 = 16 * b
+            for i in range(r):
+                xm = xs[m0 + i]
+                for j in range(16 * nq):
+                    out[m0 + i, n0 + j] = np.float32(cb[i, j]) * xm * scale[n0 + j]
+    tilerelease()
+
+
+@njit(nogil=True, cache=True)
+def gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, mc, kcs):
+    """Large-M INT8 with explicit blocking: mc rows per M chunk (multiple of 32), kcs 64-deep K
+    steps per K slice. Same result as ``gemv_int8``."""
+    m_all = xq.shape[0]
+    ks = xq.shape[1] // 64
+    blk = data.shape[1] * 64
+    ap = _pack_a(xq, ks, 64)
+    mpad = ap.shape[0] * 16
+    cp = np.empty((mc, 32), np.int32)
+    cfg = np.zeros(64, np.uint8)
+    _config(cfg, 16, 64)
+    for mc0 in range(0, mpad, mc):
+        mc1 = min(mc0 + mc, mpad)
+        for b in range(nb0, nb1, 2):
+            two = b + 1 < nb1
+            o0 = b * blk
+            o1 = o0 + blk
+            for k0 in range(0, ks, kcs):
+                k1 = min(k0 + kcs, ks)
+                for mp in range(mc0, mc1, 32):
+                    lr = mp - mc0
+                    if k0 == 0:
+                        tilezero(0)
+                        tilezero(1)
+                        tilezero(2)
+                        tilezero(3)
+                    else:
+                        tileloadd64(0, cp, lr * 32, 128)
+                        tileloadd64(2, cp, (lr + 16) * 32, 128)
+                        if two:
+                            tileloadd64(1, cp, lr * 32 + 16, 128)
+                            tileloadd64(3, cp, (lr + 16) * 32 + 16, 128)
+                    a0 = (mp // 16) * ks * 1024
+                    a1 = a0 + ks * 1024
+                    for s in range(k0, k1):
+                        tileloadd64(4, ap, a0 + s * 1024, 64)
+                        tileloadd64(6, data, o0 + s * 1024, 64)
+                        tdpbssd(0, 4, 6)
+                        tileloadd64(5, ap, a1 + s * 1024, 64)
+                        tdpbssd(2, 5, 6)
+                        if two:
+                            tileloadd64(7, data, o1 + s * 1024, 64)
+                            tdpbssd(1, 4, 7)
+                            tdpbssd(3, 5, 7)
+                    tilestored64(0, cp, lr * 32, 128)
+                    tilestored64(2, cp, (lr + 16) * 32, 128)
+                    if two:
+                        tilestored64(1, cp, lr * 32 + 16, 128)
+                        tilestored64(3, cp, (lr + 16) * 32 + 16, 128)
+                    if k1 == ks:
+                        n0 = 16 * b
+                        nc = 32 if two else 16
+                        for i in range(min(32, m_all - mp)):
+                            xm = xs[mp + i]
+                            for j in range(nc):
+                                out[mp + i, n0 + j] = np.float32(cp[lr + i, j]) * xm * scale[n0 + j]
+    tilerelease()
+
+
+@njit(nogil=True, cache=True)
+def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
+    """Large-M INT8 (same contract as ``gemv_int8``): 2x2 tiles, L1/L2 blocking."""
+    gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 8)
+
+
+# ----------------------------------------------------------------------------- INT4
+
+@njit(nogil=True, cache=True)
+def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
+    """Small-M INT4: out[m, n] = xs[m] * sum_g scale[n, g] * sum_{k in g} xq[m, k] q[n, k].
+
+    xq int8 [M, d_pad]; xs fp32 [M]; data uint8 [NB, d_pad/8, 16, 4] (nibbles q + 8);
+    scale fp32 [NB, d_pad/G, 16]; group_size G in {32, 64, 128}; out fp32 [M, >= 16 nb1].
+    """
+    g = group_size
+    tk = min(g, 64)
+    spg = g // tk
+    ng = xq.shape[1] // g
+    m_all = xq.shape[0]
+    xst = xq.strides[0]
+    lines = data.shape[1]
+    dflat = data.reshape(data.size)
+    bs = np.empty(64 * g, np.int8)       # 4 blocks x G/4 k4 rows x 64 B
+    cb = np.empty((16, 64), np.int32)
+    acc = np.empty((16, 64), np.float32)
+    cfg = np.zeros(64, np.uint8)
+    rows_cfg = 0
+    for m0 in range(0, m_all, 16):
+        r = min(16, m_all - m0)
+        if r != rows_cfg:
+            _config(cfg, r, tk)
+            rows_cfg = r
+        xo = m0 * xst
+        for b in range(nb0, nb1, 4):
+            nq = min(4, nb1 - b)
+            for i in range(r):
+                for j in range(64):
+                    acc[i, j] = 0.0
+            for gi in range(ng):
+                for q in range(nq):
+                    _unpack_int4(dflat, (b + q) * lines + gi * (g // 8), g // 8, bs, q * 16 * g)
+                tilezero(0)
+                tilezero(1)
+                tilezero(2)
+                tilezero(3)
+                for t in range(spg):
+                    xk = xo + gi * g + t * tk
+                    bo = t * tk * 16
+                    tileloadd64(4, xq, xk, xst)
+                    tileloadd64(6, bs, bo, 64)
+                    tdpbssd(0, 4, 6)
+                    if nq > 1:
+                        tileloadd64(7, bs, 16 * g + bo, 64)
+                        tdpbssd(1, 4, 7)
+                    if nq > 2:
+                        tileloadd64(6, bs, 32 * g + bo, 64)
+                        tdpbssd(2, 4, 6)
+                    if nq > 3:
+                        tileloadd64(7, bs, 48 * g + bo, 64)
+                        tdpbssd(3, 4, 7)
+                tilestored64(0, cb, 0, 256)
+                if nq > 1:
+                    tilestored64(1, cb, 16, 256)
+                if nq > 2:
+                    tilestored64(2, cb, 32, 256)
+                if nq > 3:
+                    tilestored64(3, cb, 48, 256)
+                for q in range(nq):
+                    for i in range(r):
+                        for j in range(16):
+                            acc[i, 16 * q + j] += scale[b + q, gi, j] * np.float32(cb[i, 16 * q + j])
+            n0 = 16 * b
+            for i in range(r):
+                xm = xs[m0 + i]
+                for j in range(16 * nq):
+                    out[m0 + i, n0 + j] = acc[i, j] * xm
+    tilerelease()
+
+
+@njit(nogil=True, cache=True)
+def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc):
+    """Large-M INT4 with explicit blocking: mc rows per M chunk (multiple of 32), kc K per slice
+    (a multiple of 64 and of G). Same result as ``gemv_int4``."""
+    g = group_size
+    tk = min(g, 64)
+    spg = g // tk
+    m_all = xq.shape[0]
+    d_pad = xq.shape[1]
+    ks = d_pad // 64
+    lines = data.shape[1]
+    dflat = data.reshape(data.size)
+    ap = _pack_a(xq, ks, 64)
+    mpad = ap.shape[0] * 16
+    bs = np.empty(32 * kc, np.int8)      # 2 blocks x kc/4 k4 rows x 64 B
+    acc = np.empty((mc, 32), np.float32)
+    cb = np.empty((32, 32), np.int32)
+    cfg = np.zeros(64, np.uint8)
+    _config(cfg, 16, tk)
+    for mc0 in range(0, mpad, mc):
+        mc1 = min(mc0 + mc, mpad)
+        for b in range(nb0, nb1, 2):
+            two = b + 1 < nb1
+            for k0 in range(0, d_pad, kc):
+                k1 = min(k0 + kc, d_pad)
+                _unpack_int4(dflat, b * lines + k0 // 8, (k1 - k0) // 8, bs, 0)
+                if two:
+                    _unpack_int4(dflat, (b + 1) * lines + k0 // 8, (k1 - k0) // 8, bs, 16 * kc)
+                for mp in range(mc0, mc1, 32):
+                    lr = mp - mc0
+                    rv = min(32, m_all - mp)
+                    if k0 == 0:
+                        for i in range(32):
+                            for j in range(32):
+                                acc[lr + i, j] = 0.0
+                    t0 = mp // 16
+                    for gi in range(k0 // g, k1 // g):
+                        tilezero(0)
+                        tilezero(1)
+                        tilezero(2)
+                        tilezero(3)
+                        for t in range(spg):
+                            kk = gi * g + t * tk
+                            ao = (t0 * ks + kk // 64) * 1024 + kk % 64
+                            bo = (kk - k0) * 16
+                            tileloadd64(4, ap, ao, 64)
+                            tileloadd64(6, bs, bo, 64)
+                            tdpbssd(0, 4, 6)
+                            tileloadd64(5, ap, ao + ks * 1024, 64)
+                            tdpbssd(2, 5, 6)
+                            if two:
+                                tileloadd64(7, bs, 16 * kc + bo, 64)
+                                tdpbssd(1, 4, 7)
+                                tdpbssd(3, 5, 7)
+                        tilestored64(0, cb, 0, 128)
+                        tilestored64(2, cb, 512, 128)
+                        if two:
+                            tilestored64(1, cb, 16, 128)
+                            tilestored64(3, cb, 528, 128)
+                        for i in range(rv):
+                            for j in range(16):
+                                acc[lr + i, j] += scale[b, gi, j] * np.float32(cb[i, j])
+                        if two:
+                            for i in range(rv):
+                                for j in range(16):
+                                    acc[lr + i, 16 + j] += (scale[b + 1, gi, j]
+                                                            * np.float32(cb[i, 16 + j]))
+                    if k1 == d_pad:
+                        n0 = 16 * b
+                        nc = 32 if two else 16
+                        for i in range(rv):
+                            xm = xs[mp + i]
+                            for j in range(nc):
+                                out[mp + i, n0 + j] = acc[lr + i, j] * xm
+    tilerelease()
+
+
+@njit(nogil=True, cache=True)
+def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
+    """Large-M INT4 (same contract as ``gemv_int4``): 2x2 tiles, per-group fp32 flush, blocking."""
+    kc = max(512, group_size)
+    gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, default_mc(xq.shape[1]), kc)
+
+
+# ----------------------------------------------------------------------------- BF16
+
+@njit(nogil=True, cache=True)
+def gemv_bf16(xb, data, out, nb0, nb1):
+    """Small-M BF16: out[m, n] = sum_k bf16(x[m, k]) bf16(w[n, k]) with fp32 accumulation.
+
+    xb uint16 [M, d_pad] (bf16 bits); data uint16 [NB, d_pad/2, 16, 2]; out fp32 [M, >= 16 nb1].
+    """
+    m_all = xb.shape[0]
+    ks = xb.shape[1] // 32
+    xst = xb.strides[0]
+    xel = xst // 2
+    blk = data.shape[1] * 32
+    cfg = np.zeros(64, np.uint8)
+    cb = np.empty((16, 64), np.float32)
+    rows_cfg = 0
+    for m0 in range(0, m_all, 16):
+        r = min(16, m_all - m0)
+        if r != rows_cfg:
+            _config(cfg, r, 64)
+            rows_cfg = r
+        xo = m0 * xel
+        for b in range(nb0, nb1, 4):
+            nq = min(4, nb1 - b)
+            o = b * blk
+            tilezero(0)
+            tilezero(1)
+            tilezero(2)
+            tilezero(3)
+            for s in range(ks):
+                tileloadd64(4, xb, xo + 32 * s, xst)
+                tileloadd64(6, data, o + 512 * s, 64)
+                tdpbf16ps(0, 4, 6)
+                if nq > 1:
+                    tileloadd64(7, data, o + blk + 512 * s, 64)
+                    tdpbf16ps(1, 4, 7)
+                if nq > 2:
+                    tileloadd64(6, data, o + 2 * blk + 512 * s, 64)
+                    tdpbf16ps(2, 4, 6)
+                if nq > 3:
+                    tileloadd64(7, data, o + 3 * blk + 512 * s, 64)
+                    tdpbf16ps(3, 4, 7)
+            tilestored64(0, cb, 0, 256)
+            if nq > 1:
+                tilestored64(1, cb, 16, 256)
+            if nq > 2:
+                tilestored64(2, cb, 32, 256)
+            if nq > 3:
+                tilestored64(3, cb, 48, 256)
+            n0 = 16 * b
+            for i in range(r):
+                for j in range(16 * nq):
+                    out[m0 + i, n0 + j] = cb[i, j]
+    tilerelease()
+
+
+@njit(nogil=True, cache=True)
+def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs):
+    """Large-M BF16 with explicit blocking: mc rows per M chunk (multiple of 32), kcs 32-deep K
+    steps per K slice. Same result as ``gemv_bf16`` up to fp32 summation order."""
+    m_all = xb.shape[0]
+    ks = xb.shape[1] // 32
+    blk = data.shape[1] * 32
+    ap = _pack_a(xb, ks, 32)
+    mpad = ap.shape[0] * 16
+    cp = np.empty((mc, 32), np.float32)
+    cfg = np.zeros(64, np.uint8)
+    _config(cfg, 16, 64)
+    for mc0 in range(0, mpad, mc):
+        mc1 = min(mc0 + mc, mpad)
+        for b in range(nb0, nb1, 2):
+            two = b + 1 < nb1
+            o0 = b * blk
+            o1 = o0 + blk
+            for k0 in range(0, ks, kcs):
+                k1 = min(k0 + kcs, ks)
+                for mp in range(mc0, mc1, 32):
+                    lr = mp - mc0
+                    if k0 == 0:
+                        tilezero(0)
+                        tilezero(1)
+                        tilezero(2)
+                        tilezero(3)
+                    else:
+                        tileloadd64(0, cp, lr * 32, 128)
+                        tileloadd64(2, cp, (lr + 16) * 32, 128)
+                        if two:
+                            tileloadd64(1, cp, lr * 32 + 16, 128)
+                            tileloadd64(3, cp, (lr + 16) * 32 + 16, 128)
+                    a0 = (mp // 16) * ks * 512
+                    a1 = a0 + ks * 512
+                    for s in range(k0, k1):
+                        tileloadd64(4, ap, a0 + s * 512, 64)
+                        tileloadd64(6, data, o0 + s * 512, 64)
+                        tdpbf16ps(0, 4, 6)
+                        tileloadd64(5, ap, a1 + s * 512, 64)
+                        tdpbf16ps(2, 5, 6)
+                        if two:
+                            tileloadd64(7, data, o1 + s * 512, 64)
+                            tdpbf16ps(1, 4, 7)
+                            tdpbf16ps(3, 5, 7)
+                    tilestored64(0, cp, lr * 32, 128)
+                    tilestored64(2, cp, (lr + 16) * 32, 128)
+                    if two:
+                        tilestored64(1, cp, lr * 32 + 16, 128)
+                        tilestored64(3, cp, (lr + 16) * 32 + 16, 128)
+                    if k1 == ks:
+                        n0 = 16 * b
+                        nc = 32 if two else 16
+                        for i in range(min(32, m_all - mp)):
+                            for j in range(nc):
+                                out[mp + i, n0 + j] = cp[lr + i, j]
+    tilerelease()
+
+
+@njit(nogil=True, cache=True)
+def gemm_bf16(xb, data, out, nb0, nb1):
+    """Large-M BF16 (same contract as ``gemv_bf16``): 2x2 tiles, L1/L2 blocking."""
+    gemm_bf16_blocked(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 8)
+
+
+# ----------------------------------------------------------------------------- roofline
+
+@njit(nogil=True, cache=True)
+def peak_int8(iters):
+    """Tile-resident tdpbssd loop (no memory traffic): returns the integer ops done (2 per MAC)."""
+    cfg = np.zeros(64, np.uint8)
+    _config(cfg, 16, 64)
+    tilezero(4)
+    tilezero(5)
+    tilezero(6)
+    tilezero(7)
+    tilezero(0)
+    tilezero(1)
+    tilezero(2)
+    tilezero(3)
+    for _ in range(iters):
+        tdpbssd(0, 4, 6)
+        tdpbssd(1, 4, 7)
+        tdpbssd(2, 5, 6)
+        tdpbssd(3, 5, 7)
+    sink = np.empty((16, 16), np.int32)
+    tilestored64(0, sink, 0, 64)
+    tilerelease()
+    return iters * 4 * 2 * 16 * 16 * 64 + sink[0, 0]
+
+
+@njit(nogil=True, cache=True)
+def peak_bf16(iters):
+    """Tile-resident tdpbf16ps loop (no memory traffic): returns the flops done (2 per MAC)."""
+    cfg = np.zeros(64, np.uint8)
+    _config(cfg, 16, 64)
+    tilezero(4)
+    tilezero(5)
+    tilezero(6)
+    tilezero(7)
+    tilezero(0)
+    tilezero(1)
+    tilezero(2)
+    tilezero(3)
+    for _ in range(iters):
+        tdpbf16ps(0, 4, 6)
+        tdpbf16ps(1, 4, 7)
+        tdpbf16ps(2, 5, 6)
+        tdpbf16ps(3, 5, 7)
+    sink = np.empty((16, 16), np.float32)
+    tilestored64(0, sink, 0, 64)
+    tilerelease()
+    return iters * 4 * 2 * 16 * 16 * 32 + int(sink[0, 0])
