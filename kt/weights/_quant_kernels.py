@@ -1,0 +1,171 @@
+"""Quantise-and-pack in one pass (INT8, INT4, BF16), portable scalar Numba code, no ISA intrinsics.
+
+Each kernel reads one expert matrix src [N, D] (bf16 bit patterns as uint16, or float32), and writes
+rows ``row0 .. row0+N`` of one expert's packed arrays in the layout of ``kt/cpu_ops/packing.py``
+(16-row blocks, VNNI order), including the zero (INT4: nibble 8) padding along D. The arithmetic is
+the one of ``kt.reference.quantize`` (fp32 scale = amax / qmax, fp32 inverse, rint half-to-even,
+clip), so the output is bit-identical to ``packing.pack_quantized(reference.quantize(w))``.
+Each kernel returns the number of non-finite source values it met (the caller raises).
+
+The kernels are ``nogil``: the converter runs one expert per Python thread.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+_F32_MAX = np.float32(3.4028234663852886e38)
+
+
+def _load_row(src, r, buf, bits):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(_load_row, jit_options={"nogil": True})
+def _load_row_impl(src, r, buf, bits):
+    """Row r of src as fp32 into buf (bits is buf viewed as uint32)."""
+    if isinstance(src.dtype, types.Integer) and src.dtype.bitwidth == 16:
+        def impl(src, r, buf, bits):  # bf16 bit patterns: widen to the fp32 bit pattern
+            for k in range(src.shape[1]):
+                bits[k] = np.uint32(src[r, k]) << np.uint32(16)
+        return impl
+
+    def impl(src, r, buf, bits):
+        for k in range(src.shape[1]):
+            buf[k] = np.float32(src[r, k])
+    return impl
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _amax_bits(bits, k0, k1):
+    """max |x| over bits[k0:k1] as an fp32 bit pattern (integer order = float order for |x|)."""
+    m = np.uint32(0)
+    for k in range(k0, k1):
+        v = bits[k] & np.uint32(0x7FFFFFFF)
+        if v > m:
+            m = v
+    return m
+
+
+@njit(nogil=True, cache=True)
+def quant_pack_int8(src, row0, data32, scale, wsum):
+    """src [N, D] -> data int8 [NB, d_pad/4, 16, 4] seen as data32 uint32 [NB, d_pad/4, 16],
+    scale fp32 [n_pad], wsum int32 [n_pad]."""
+    n, d = src.shape
+    d_pad = data32.shape[1] * 4
+    buf = np.zeros(d_pad, np.float32)
+    bits = buf.view(np.uint32)
+    qrow = np.zeros(d_pad, np.int8)
+    q32 = qrow.view(np.uint32)
+    amaxf = np.zeros(1, np.float32)
+    amaxb = amaxf.view(np.uint32)
+    bad = 0
+    for r in range(n):
+        _load_row(src, r, buf, bits)
+        amaxb[0] = _amax_bits(bits, 0, d)
+        if amaxb[0] >= np.uint32(0x7F800000):
+            bad += 1
+            continue
+        s = np.float32(amaxf[0] / np.float32(127.0))
+        inv = np.float32(np.float32(1.0) / s) if s > 0 else np.float32(0.0)
+        acc = 0
+        for k in range(d):
+            q = min(max(np.rint(np.float32(buf[k] * inv)), np.float32(-127.0)), np.float32(127.0))
+            qi = np.int32(q)
+            qrow[k] = np.int8(qi)
+            acc += qi
+        row = row0 + r
+        b = row >> 4
+        rr = row & 15
+        for j in range(d_pad >> 2):
+            data32[b, j, rr] = q32[j]
+        scale[row] = s
+        wsum[row] = acc
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def quant_pack_int4(src, row0, group_size, data32, scale):
+    """src [N, D] -> data uint8 [NB, d_pad/8, 16, 4] (nibble = q + 8; seen as data32 uint32
+    [NB, d_pad/8, 16]), scale fp32 [NB, d_pad/G, 16]."""
+    n, d = src.shape
+    d_pad = data32.shape[1] * 8
+    ng_pad = scale.shape[1]
+    ng = (d + group_size - 1) // group_size
+    buf = np.zeros(d_pad, np.float32)  # padding stays 0 -> q = 0 -> nibble 8
+    bits = buf.view(np.uint32)
+    nib = np.full(d_pad, 8, np.uint8)
+    n32 = nib.view(np.uint32)
+    amaxf = np.zeros(1, np.float32)
+    amaxb = amaxf.view(np.uint32)
+    bad = 0
+    for r in range(n):
+        _load_row(src, r, buf, bits)
+        row = row0 + r
+        b = row >> 4
+        rr = row & 15
+        for g in range(ng_pad):
+            k0 = g * group_size
+            s = np.float32(0.0)
+            if g < ng:
+                amaxb[0] = _amax_bits(bits, k0, min(d, k0 + group_size))
+                if amaxb[0] >= np.uint32(0x7F800000):
+                    bad += 1
+                s = np.float32(amaxf[0] / np.float32(7.0))
+            scale[b, g, rr] = s
+            inv = np.float32(np.float32(1.0) / s) if s > 0 else np.float32(0.0)
+            for k in range(k0, k0 + group_size):
+                q = min(max(np.rint(np.float32(buf[k] * inv)), np.float32(-7.0)), np.float32(7.0))
+                nib[k] = np.uint8(np.int32(q) + 8)
+        for jj in range(d_pad >> 3):
+            data32[b, jj, rr] = n32[2 * jj] | (n32[2 * jj + 1] << np.uint32(4))
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def quant_pack_bf16(src, row0, data32):
+    """src [N, D] -> data uint16 [NB, d_pad/2, 16, 2] (bf16 bits, round to nearest even; seen as
+    data32 uint32 [NB, d_pad/2, 16])."""
+    n, d = src.shape
+    d_pad = data32.shape[1] * 2
+    buf = np.zeros(d_pad, np.float32)
+    bits = buf.view(np.uint32)
+    h = np.zeros(d_pad, np.uint16)
+    h32 = h.view(np.uint32)
+    bad = 0
+    for r in range(n):
+        _load_row(src, r, buf, bits)
+        if _amax_bits(bits, 0, d) >= np.uint32(0x7F800000):
+            bad += 1
+            continue
+        for k in range(d):
+            u = bits[k]
+            h[k] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+                             >> np.uint32(16))
+        row = row0 + r
+        b = row >> 4
+        rr = row & 15
+        for j in range(d_pad >> 1):
+            data32[b, j, rr] = h32[j]
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def fp8_e4m3_block_dequant(w, scale_inv, block_n, block_d, out):
+    """out [N, D] fp32 = e4m3(w [N, D] uint8) * scale_inv [ceil(N/bn), ceil(D/bd)] (block scales)."""
+    n, d = w.shape
+    lut = np.empty(256, np.float32)
+    for v in range(256):
+        e = (v >> 3) & 15
+        m = v & 7
+        if e == 15 and m == 7:
+            x = np.nan
+        elif e == 0:
+            x = m / 8.0 * 2.0 ** -6
+        else:
+            x = (1.0 + m / 8.0) * 2.0 ** (e - 7)
+        lut[v] = np.float32(-x if v & 128 else x)
+    for i in range(n):
+        for k in range(d):
+            out[i, k] = lut[w[i, k]] * np.float32(scale_inv[i // block_n, k // block_d])

@@ -1,0 +1,203 @@
+"""Reading safetensors files as memory-mapped numpy views (no copies) and writing them atomically.
+
+The format: 8 bytes little-endian u64 header length N, N bytes of JSON header (may end in spaces),
+then the data; ``data_offsets`` are relative to the start of the data. kt pads its own headers
+so that the data starts at a 64-byte-aligned file offset; every tensor kt writes has a byte size
+that is a multiple of 64, so every tensor starts 64-byte aligned in the file, and (the mapping
+being page aligned) in memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["SafetensorsFile", "read_header", "write_safetensors", "DTYPES", "ALIGN"]
+
+ALIGN = 64
+_MAX_HEADER = 100 << 20
+
+# safetensors dtype name -> numpy dtype of the stored element (bf16 as uint16 bits, fp8 as uint8)
+DTYPES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"), "F8_E4M3": np.dtype("u1"), "F8_E5M2": np.dtype("u1"),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+_NP_TO_ST = {np.dtype("<f4"): "F32", np.dtype("i1"): "I8", np.dtype("u1"): "U8",
+             np.dtype("<u2"): "U16", np.dtype("<i4"): "I32", np.dtype("<i8"): "I64",
+             np.dtype("<f2"): "F16", np.dtype("<f8"): "F64"}
+
+
+class SafetensorsError(ValueError):
+    """A safetensors file that cannot be parsed (the message names the file)."""
+
+
+def read_header(path: str | Path) -> tuple[dict, int, int]:
+    """(header dict without __metadata__ entries kept under '__metadata__', data start, file size)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise SafetensorsError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise SafetensorsError(
+                    f"{path}: bad safetensors header length {n} for a file of {size} bytes "
+                    "(truncated or not a safetensors file)")
+            text = f.read(n)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: file not found") from None
+    try:
+        header = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SafetensorsError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: safetensors header is not a JSON object")
+    data_start = 8 + n
+    data_len = size - data_start
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dt = DTYPES[info["dtype"]]
+            shape = [int(s) for s in info["shape"]]
+            b0, b1 = (int(v) for v in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
+        want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if b1 - b0 != want or b0 < 0:
+            raise SafetensorsError(f"{path}: tensor {name!r} data_offsets {b0}..{b1} do not match "
+                                   f"its shape {shape} and dtype {info['dtype']}")
+        if b1 > data_len:
+            raise SafetensorsError(f"{path}: truncated: tensor {name!r} ends at data byte {b1} but the "
+                                   f"file holds {data_len} data bytes")
+    return header, data_start, size
+
+
+class SafetensorsFile:
+    """A safetensors file mapped read-only; ``get(name)`` returns a numpy view into the mapping.
+
+    bf16 tensors come back as uint16 bit patterns, fp8 as uint8 (the caller knows ``dtype(name)``).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.header, self.data_start, self.size = read_header(self.path)
+        self.metadata = self.header.pop("__metadata__", None) or {}
+        self._map = None
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.header
+
+    def dtype(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.header[name]["shape"])
+
+    @property
+    def mapping(self) -> np.ndarray:
+        if self._map is None:
+            if self.size == 0:
+                raise SafetensorsError(f"{self.path}: empty file")
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        return self._map
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as a read-only numpy view of the mapping (no copy)."""
+        try:
+            info = self.header[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+        dt = DTYPES[info["dtype"]]
+        b0, b1 = info["data_offsets"]
+        shape = tuple(int(s) for s in info["shape"])
+        raw = self.mapping[self.data_start + b0: self.data_start + b1]
+        if (self.data_start + b0) % dt.itemsize:  # unaligned element start: numpy needs a copy
+            return np.frombuffer(raw.tobytes(), dtype=dt).reshape(shape)
+        return raw.view(dt).reshape(shape)
+
+    def close(self) -> None:
+        self._map = None
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, tuple[tuple[int, ...], np.dtype]],
+                      fill, metadata: dict[str, str] | None = None, fsync: bool = False) -> None:
+    """Write a safetensors file atomically: temp file in the same folder, (fsync,) rename.
+
+    Without ``fsync`` the rename is atomic against a killed process but not against a power
+    loss; kt's converter re-checks every finished file's checksum when it resumes, so a torn
+    file after a crash is found and rewritten.
+
+    tensors: name -> (shape, numpy dtype), in storage order. ``fill(arrays)`` receives a dict of
+    writable numpy views (np.memmap of the temp file, zero-filled) and fills them; so the output
+    never exists in anonymous memory. Nothing at ``path`` changes unless everything succeeded.
+    """
+    path = Path(path)
+    entries = {}
+    off = 0
+    for name, (shape, dt) in tensors.items():
+        dt = np.dtype(dt)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        entries[name] = {"dtype": _NP_TO_ST[dt], "shape": [int(s) for s in shape],
+                         "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    header = {"__metadata__": dict(metadata or {}), **entries}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    n = len(text)
+    n += (-(8 + n)) % ALIGN  # pad with spaces so the data starts 64-byte aligned
+    text = text + b" " * (n - len(text))
+    total = 8 + n + off
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", n))
+            f.write(text)
+            f.truncate(total)
+        arrays = {}
+        mm = np.memmap(tmp, dtype=np.uint8, mode="r+") if off else None
+        for name, (shape, dt) in tensors.items():
+            b0, b1 = entries[name]["data_offsets"]
+            if b1 > b0:
+                arrays[name] = mm[8 + n + b0: 8 + n + b1].view(np.dtype(dt)).reshape(shape)
+            else:
+                arrays[name] = np.zeros(shape, dt)
+        fill(arrays)
+        if mm is not None:
+            mm.flush()
+        del arrays, mm
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """json.dump to a temp file, fsync, rename: readers see the old or the new file, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
