@@ -1,0 +1,73 @@
+"""The launch-config heuristic and tuned tables (pure functions; no kernels)."""
+import json
+
+import pytest
+
+from kt.gpu_ops.configs import MoEConfig, load_table, pick_config, shape_key, table_name
+
+
+def test_heuristic_regimes():
+    # Decode (few rows per slot): smallest row block; prefill: large tiles.
+    small = pick_config(1, 8, 32, 2048, 768, "bf16")
+    large = pick_config(4096, 8, 32, 2048, 768, "bf16")
+    assert small.block_m == 16 and large.block_m >= 64
+    assert large.block_m * large.block_n > small.block_m * small.block_n
+    # Monotone in T: block_m never shrinks as T grows.
+    ms = [pick_config(t, 8, 32, 2048, 768, "bf16").block_m for t in (1, 4, 16, 64, 256, 1024, 4096)]
+    assert ms == sorted(ms)
+
+
+def test_pick_config_is_pure():
+    a = pick_config(64, 8, 32, 2048, 768, "int8")
+    b = pick_config(64, 8, 32, 2048, 768, "int8")
+    assert a == b and isinstance(a, MoEConfig)
+
+
+def test_table_lookup_nearest_at_or_above():
+    cfg16 = dict(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    cfg128 = dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    table = {shape_key(2048, 768, "bf16"): {"16": cfg16, "128": cfg128}}
+    assert pick_config(1, 8, 32, 2048, 768, "bf16", table) == MoEConfig(**cfg16)
+    assert pick_config(17, 8, 32, 2048, 768, "bf16", table) == MoEConfig(**cfg128)
+    assert pick_config(9999, 8, 32, 2048, 768, "bf16", table) == MoEConfig(**cfg128)
+    # Another shape or dtype falls back to the heuristic.
+    assert pick_config(1, 8, 32, 2048, 768, "int8", table) == pick_config(1, 8, 32, 2048, 768, "int8")
+
+
+def test_shipped_tables_are_valid():
+    for name in ("h200",):
+        table = load_table(name)
+        for key, entries in table.items():
+            assert key.startswith("H") and "_I" in key, key
+            for t, cfg in entries.items():
+                assert int(t) >= 1
+                MoEConfig.from_dict(cfg)
+
+
+def test_table_name():
+    assert table_name("NVIDIA H200") == "h200"
+    assert table_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert table_name("Tesla T4") is None
+    assert load_table(None) == {} and load_table("no-such-gpu") == {}
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(block_m=24), "block_m must be a power of two"),
+    (dict(block_k=8), "block_k must be a power of two >= 16"),
+    (dict(num_warps=3), "num_warps"),
+    (dict(num_stages=0), "num_stages"),
+    (dict(group_m=0), "group_m"),
+])
+def test_config_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**bad)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="weight_dtype"):
+        pick_config(1, 8, 32, 2048, 768, "int4")
+    with pytest.raises(ValueError, match="num_tokens"):
+        pick_config(-1, 8, 32, 2048, 768, "bf16")
+    with pytest.raises(ValueError, match="unknown fields"):
+        MoEConfig.from_dict({"block_m": 16, "BLOCK_N": 32})
+    json.dumps(MoEConfig().to_dict())
