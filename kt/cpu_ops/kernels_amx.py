@@ -89,7 +89,7 @@ def _unpack_int4(dflat, src_line, nlines, dst, dst_off):
         s = (src_line + j) * 64
         o = dst_off + j * 128
         for c in range(64):
-            v = dflat[s + c]
+            v = np.int32(dflat[s + c])
             dst[o + c] = (v & 15) - 8
             dst[o + 64 + c] = (v >> 4) - 8
 

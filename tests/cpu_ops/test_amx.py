@@ -7,10 +7,12 @@ Two parts:
 - correctness sweeps that run only where kt.cpu_ops.isa finds AMX runnable (the device machine:
   benchmarks/device_amx.py runs this file there).
 
-Tolerances: integer schemes accumulate exactly in int32, so INT8 differs from the fp64 reference
-only by the fp32 epilogue (three roundings: rtol 1e-5 is ~80x that); INT4 adds one fp32 sum over
-the D/G group terms, bounded elementwise by (D/G + 3) * 2^-24 * sum_g |term_g|. With unit scales
-the outputs must equal the integer product exactly. BF16 products are exact in fp32, so the only
+Tolerances: integer schemes accumulate exactly in int32, so INT8 differs from the exact value
+only by the fp32 epilogue (three roundings: rtol 1e-5 is ~80x that). The reference itself rounds
+each dequantised operand to fp32 (xq * xs, q * scale) before its fp64 sum, which moves it by up to
+2 * 2^-24 * (|x| @ |w|^T) elementwise (visible where terms cancel), so that is added as an
+absolute part. INT4 adds one fp32 sum over the D/G group terms: (D/G) * 2^-24 * (|x| @ |w|^T)
+more. With unit scales the outputs must equal the integer product exactly. BF16 products are exact in fp32, so the only
 error is fp32 summation of D terms: |out - ref| <= D * 2^-24 * (|x| @ |w|^T) elementwise.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ from kt import reference as ref
 from kt.config import QuantScheme
 from kt.cpu_ops import isa
 from kt.cpu_ops.packing import pack
-from kt.testing import assert_close, assert_exact
+from kt.testing import assert_exact
 
 SKIP_REASON = "host has no AMX (runs on the device machine: benchmarks/device_amx.py)"
 U = 2.0 ** -24
@@ -152,6 +154,15 @@ def _run(K, scheme, op, x, p, nb0=None, nb1=None, fill=np.nan):
     return out
 
 
+def _int_ref(x, qw, groups):
+    """Reference for an integer scheme and its elementwise tolerance (see the module docstring)."""
+    xd = ref.act_roundtrip(x, "int8")
+    wd = ref.dequantize(qw)
+    want = ref.linear(xd, wd)
+    terms = np.abs(xd).astype(np.float64) @ np.abs(wd).astype(np.float64).T
+    return want, 1e-5 * np.abs(want) + (2 + groups) * U * terms
+
+
 def _check_within(refv, out, bound, what):
     err = np.abs(out.astype(np.float64) - refv.astype(np.float64))
     assert np.isfinite(out).all(), f"{what}: non-finite output"
@@ -171,8 +182,8 @@ def test_int8(K, op, m, n, d):
     x, w = _inputs(m, n, d, seed=m * 7 + n + d)
     p = pack(w, QuantScheme.INT8)
     out = _run(K, QuantScheme.INT8, op, x, p)
-    want = ref.linear(ref.act_roundtrip(x, "int8"), ref.dequantize(ref.quantize(w, "int8")))
-    assert_close(want, out[:, :n], rtol=1e-5, what=f"amx {op} int8 M={m} N={n} D={d}")
+    want, bound = _int_ref(x, ref.quantize(w, "int8"), 0)
+    _check_within(want, out[:, :n], bound, f"amx {op} int8 M={m} N={n} D={d}")
     assert_exact(np.zeros((m, p.n_pad - n), np.float32), out[:, n:], what="padding rows")
 
 
@@ -183,16 +194,9 @@ def test_int8(K, op, m, n, d):
 @pytest.mark.parametrize("m", M_LIST)
 def test_int4(K, op, m, n, d, g):
     x, w = _inputs(m, n, d, seed=m * 11 + n + d + g)
-    qw = ref.quantize(w, "int4", g)
     p = pack(w, QuantScheme.INT4, g)
     out = _run(K, QuantScheme.INT4, op, x, p)
-    xq, xs = ref.quantize_act(x)
-    want = ref.linear(ref.dequantize_act(xq, xs), ref.dequantize(qw))
-    # Elementwise bound: three epilogue roundings plus the fp32 sum over the group terms.
-    ng = p.d_pad // g
-    xd = np.abs(ref.dequantize_act(xq, xs)).astype(np.float64)
-    terms = xd @ np.abs(ref.dequantize(qw)).astype(np.float64).T
-    bound = 1e-5 * np.abs(want) + (ng + 3) * U * terms
+    want, bound = _int_ref(x, ref.quantize(w, "int4", g), p.d_pad // g)
     _check_within(want, out[:, :n], bound, f"amx {op} int4 G={g} M={m} N={n} D={d}")
     assert_exact(np.zeros((m, p.n_pad - n), np.float32), out[:, n:], what="padding rows")
 
@@ -275,3 +279,159 @@ def test_gemv_and_gemm_agree_across_m_tails(K):
 def test_peak_loops_count_ops(K):
     assert K.peak_int8(10) == 10 * 4 * 2 * 16 * 16 * 64
     assert K.peak_bf16(10) == 10 * 4 * 2 * 16 * 16 * 32
+
+
+# ----------------------------------------------------------------------------- emulated tile unit
+# The kernels' Python bodies run everywhere against a numpy model of the tile unit (shapes from the
+# loaded config, every load/store bounds-checked, products per the instruction definitions). This
+# checks the kernels' indexing and tails on hosts without AMX; the device runs the real thing.
+
+class TileUnit:
+    """A numpy model of the 8 AMX tile registers (palette 1)."""
+
+    def __init__(self):
+        self.rows = [0] * 8
+        self.colsb = [0] * 8
+        self.reg = np.zeros((8, 16, 64), np.uint8)
+        self.configured = False
+
+    def ldtilecfg(self, cfg):
+        assert cfg.dtype == np.uint8 and cfg.size == 64 and cfg[0] == 1 and cfg[1] == 0
+        assert not cfg[2:16].any(), "reserved config bytes must be zero"
+        for t in range(8):
+            self.colsb[t] = int(cfg[16 + 2 * t]) | (int(cfg[17 + 2 * t]) << 8)
+            self.rows[t] = int(cfg[48 + t])
+            assert self.rows[t] <= 16 and self.colsb[t] <= 64 and self.colsb[t] % 4 == 0
+        self.reg[:] = 0
+        self.configured = True
+
+    def tilerelease(self):
+        self.configured = False
+
+    def _check(self, *tiles):
+        assert self.configured, "tile instruction without a loaded config"
+        for t in tiles:
+            assert self.rows[t] > 0 and self.colsb[t] > 0, f"tile {t} is not configured"
+
+    def tilezero(self, t):
+        self._check(t)
+        self.reg[t] = 0
+
+    @staticmethod
+    def _bytes(ary):
+        assert ary.flags.c_contiguous
+        return ary.reshape(-1).view(np.uint8)
+
+    def tileloadd64(self, t, ary, index, stride):
+        self._check(t)
+        b = self._bytes(ary)
+        for r in range(self.rows[t]):
+            s = index * ary.itemsize + r * stride
+            assert 0 <= s and s + self.colsb[t] <= b.size, f"tileloadd tile {t} row {r} out of bounds"
+            self.reg[t, r, : self.colsb[t]] = b[s : s + self.colsb[t]]
+
+    def tilestored64(self, t, ary, index, stride):
+        self._check(t)
+        b = self._bytes(ary)
+        for r in range(self.rows[t]):
+            s = index * ary.itemsize + r * stride
+            assert 0 <= s and s + self.colsb[t] <= b.size, f"tilestored tile {t} row {r} out of bounds"
+            b[s : s + self.colsb[t]] = self.reg[t, r, : self.colsb[t]]
+
+    def _shapes(self, c, a, b):
+        self._check(c, a, b)
+        m, k = self.rows[a], self.colsb[a]
+        assert self.rows[c] == m and self.rows[b] == k // 4 and self.colsb[c] == self.colsb[b] == 64
+        return m, k
+
+    def tdpbssd(self, c, a, b):
+        m, k = self._shapes(c, a, b)
+        av = self.reg[a, :m, :k].view(np.int8).astype(np.int64)
+        bv = self.reg[b, : k // 4].view(np.int8).reshape(k // 4, 16, 4).transpose(0, 2, 1)
+        cv = self.reg[c, :m].view(np.int32)
+        cv[...] = (cv.astype(np.int64) + av @ bv.reshape(k, 16).astype(np.int64)).astype(np.int32)
+
+    def tdpbf16ps(self, c, a, b):
+        m, k = self._shapes(c, a, b)
+        av = ref.bf16_bits_to_f32(self.reg[a, :m, :k].copy().view(np.uint16)).astype(np.float64)
+        bb = self.reg[b, : k // 4].copy().view(np.uint16).reshape(k // 4, 16, 2).transpose(0, 2, 1)
+        bv = ref.bf16_bits_to_f32(bb.reshape(k // 2, 16)).astype(np.float64)
+        cv = self.reg[c, :m].view(np.float32)
+        cv[...] = (cv.astype(np.float64) + av @ bv).astype(np.float32)
+
+
+@pytest.fixture
+def EK(monkeypatch):
+    """kernels_amx with plain-Python bodies and the tile unit model in place of the intrinsics."""
+    import importlib.util
+    import numba
+
+    from kt.cpu_ops import _amx
+
+    monkeypatch.setattr(numba, "njit", lambda *a, **k: (lambda f: f))
+    monkeypatch.setattr(_amx, "require_amx", lambda: "emulated")
+    monkeypatch.setattr(_amx, "install_cache", lambda: None)
+    path = importlib.util.find_spec("kt.cpu_ops.kernels_amx").origin
+    spec = importlib.util.spec_from_file_location("kt.cpu_ops._kernels_amx_emulated", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    unit = TileUnit()
+    for name in ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tilestored64",
+                 "tdpbssd", "tdpbf16ps"):
+        setattr(mod, name, getattr(unit, name))
+    mod.unit = unit
+    return mod
+
+
+EMU_CASES = [(1, 16, 64), (2, 48, 2048), (7, 100, 200), (16, 112, 128), (33, 48, 256),
+             (35, 100, 200)]
+
+
+@pytest.mark.parametrize("op", ["gemv", "gemm"])
+@pytest.mark.parametrize("scheme,g", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128),
+                                      ("bf16", 0)])
+@pytest.mark.parametrize("m,n,d", EMU_CASES)
+def test_emulated_kernels_match_reference(EK, op, scheme, g, m, n, d):
+    scheme = QuantScheme.parse(scheme)
+    x, w = _inputs(m, n, d, seed=m + n + d + g)
+    p = pack(w, scheme, g or 64)
+    out = _run(EK, scheme, op, x, p)
+    assert not EK.unit.configured, "kernel returned without tilerelease"
+    what = f"emulated {op} {scheme.value} G={g} M={m} N={n} D={d}"
+    if scheme is not QuantScheme.BF16:
+        groups = p.d_pad // g if g else 0
+        want, bound = _int_ref(x, ref.quantize(w, scheme, g or 64), groups)
+        _check_within(want, out[:, :n], bound, what)
+    else:
+        xr, wr = ref.bf16_round(x), ref.dequantize(ref.quantize(w, "bf16"))
+        want = ref.linear(xr, wr)
+        bound = d * U * (np.abs(xr).astype(np.float64) @ np.abs(wr).astype(np.float64).T)
+        _check_within(want, out[:, :n], bound, what)
+    assert_exact(np.zeros((m, p.n_pad - n), np.float32), out[:, n:], what="padding rows")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
+def test_emulated_blocked_gemm_slices(EK, scheme):
+    """Small M chunks and K slices: partial sums cross slices and chunks, exactly as unsliced."""
+    scheme = QuantScheme.parse(scheme)
+    m, n, d = 70, 80, 256
+    x, w = _inputs(m, n, d, seed=3)
+    p = pack(w, scheme, 64)
+    nb = p.num_blocks
+    whole = _run(EK, scheme, "gemm", x, p)
+    out = np.full((m, p.n_pad), np.nan, np.float32)
+    if scheme is QuantScheme.BF16:
+        xb = _pad_cols(ref.f32_to_bf16_bits(x), p.d_pad)
+        EK.gemm_bf16_blocked(xb, p.data, out, 0, nb, 32, 1)
+        # fp32 sums split differently: same bound as the sweep
+        xr, wr = ref.bf16_round(x), ref.dequantize(ref.quantize(w, "bf16"))
+        bound = d * U * (np.abs(xr).astype(np.float64) @ np.abs(wr).astype(np.float64).T)
+        _check_within(ref.linear(xr, wr), out[:, :n], bound, "bf16 sliced")
+        return
+    xq, xs = ref.quantize_act(x)
+    xq = _pad_cols(xq, p.d_pad)
+    if scheme is QuantScheme.INT8:
+        EK.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, 32, 1)
+    else:
+        EK.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64)
+    assert_exact(whole, out, what=f"{scheme.value} sliced vs whole")
