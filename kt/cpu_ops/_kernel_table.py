@@ -9,3 +9,11 @@ from .registry import register
 _M = "kt.cpu_ops"
 
 # Filled in as kernel families land.
+
+# AMX tiles (kernels_amx.py; importing it raises unless isa found AMX runnable).
+register("gemv", S.INT8, "amx", f"{_M}.kernels_amx:gemv_int8")
+register("gemm", S.INT8, "amx", f"{_M}.kernels_amx:gemm_int8")
+register("gemv", S.INT4, "amx", f"{_M}.kernels_amx:gemv_int4")
+register("gemm", S.INT4, "amx", f"{_M}.kernels_amx:gemm_int4")
+register("gemv", S.BF16, "amx", f"{_M}.kernels_amx:gemv_bf16")
+register("gemm", S.BF16, "amx", f"{_M}.kernels_amx:gemm_bf16")
