@@ -360,9 +360,11 @@ class TileUnit:
         cv[...] = (cv.astype(np.float64) + av @ bv).astype(np.float32)
 
 
-@pytest.fixture
-def EK(monkeypatch):
-    """kernels_amx with plain-Python bodies and the tile unit model in place of the intrinsics."""
+def emulated_kernels(monkeypatch):
+    """kernels_amx with plain-Python bodies and the tile unit model in place of the intrinsics.
+
+    ``monkeypatch`` (a pytest MonkeyPatch) undoes the patched numba.njit / _amx guard afterwards.
+    """
     import importlib.util
     import numba
 
@@ -380,7 +382,13 @@ def EK(monkeypatch):
                  "tdpbssd", "tdpbf16ps"):
         setattr(mod, name, getattr(unit, name))
     mod.unit = unit
+    monkeypatch.undo()
     return mod
+
+
+@pytest.fixture
+def EK(monkeypatch):
+    return emulated_kernels(monkeypatch)
 
 
 EMU_CASES = [(1, 16, 64), (2, 48, 2048), (7, 100, 200), (16, 112, 128), (33, 48, 256),
