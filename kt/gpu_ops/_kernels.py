@@ -179,3 +179,58 @@ def combine_kernel(
         v = tl.load(y_ptr + n * stride_ym + offs * stride_yh, mask=h_mask & on_gpu, other=0.0)
         acc += v
     tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
+
+
+# ----------------------------------------------------------------------------- slot alignment
+# Three launches, no host sync: count token-slots per slot (atomics), prefix-sum the padded counts in
+# one program (also writes each block's slot and the sentinel everywhere), scatter each token-slot to
+# its slot's next free row (atomics). The order of rows inside a slot is not fixed, which changes no
+# result: each row's dot products do not depend on the other rows of its tile.
+
+@triton.jit
+def slot_count_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, N, E, S, BLOCK: tl.constexpr):
+    """slot[n] = expert_to_slot[ids[n]] (-1 when the id is -1 / out of [0, E) or the slot is out of
+    [0, S)); counts[s] += number of token-slots of slot s. ids [N] int; e2s [E] int32; slot [N] int32."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+    ok = m & (e >= 0) & (e < E)
+    s = tl.load(e2s_ptr + tl.where(ok, e, 0), mask=ok, other=-1).to(tl.int32)
+    s = tl.where((s >= 0) & (s < S), s, -1)
+    tl.store(slot_ptr + offs, s, mask=m)
+    on = m & (s >= 0)
+    tl.atomic_add(counts_ptr + tl.where(on, s, 0), tl.full((BLOCK,), 1, tl.int32), mask=on)
+
+
+@triton.jit
+def slot_offsets_kernel(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr,
+                        N, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """One program. cursor[s] = first row of slot s (each slot's rows padded to BLOCK_M);
+    num_padded[0] = rows in use; block_slot[b] = slot of row block b; sorted_ids[:] = N (sentinel)."""
+    offs_s = tl.arange(0, SP2)
+    ms = offs_s < S
+    c = tl.load(counts_ptr + offs_s, mask=ms, other=0)
+    padded = (c + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + offs_s, end - padded, mask=ms)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    block_end = tl.where(ms, end // BLOCK_M, 2147483647)
+    nb = P // BLOCK_M
+    for b0 in range(0, nb, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        slot_of_b = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
+        tl.store(block_slot_ptr + b, tl.minimum(slot_of_b, S - 1), mask=b < nb)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + p, tl.full((CHUNK,), 0, tl.int32) + N, mask=p < P)
+
+
+@triton.jit
+def slot_scatter_kernel(slot_ptr, cursor_ptr, sorted_ids_ptr, N, BLOCK: tl.constexpr):
+    """sorted_ids[cursor[slot[n]]++] = n for every token-slot n on the GPU."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    s = tl.load(slot_ptr + offs, mask=m, other=-1)
+    on = m & (s >= 0)
+    pos = tl.atomic_add(cursor_ptr + tl.where(on, s, 0), tl.full((BLOCK,), 1, tl.int32), mask=on)
+    tl.store(sorted_ids_ptr + tl.where(on, pos, 0), offs, mask=on)

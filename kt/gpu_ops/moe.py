@@ -47,38 +47,36 @@ def kernels_interpreted() -> bool:
     return isinstance(_kernels().gate_up_kernel, InterpretedFunction)
 
 
-def align_by_slot(slot: torch.Tensor, num_slots: int, block_m: int):
-    """Sort token-slots by expert slot into blocks of block_m rows, with no host synchronisation.
+def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slots: int, block_m: int):
+    """Sort token-slots by expert slot into blocks of block_m rows: three launches, no host sync.
 
-    slot: [N] int64, values in [0, S) or S for "not on the GPU".
-    Returns (sorted_ids [P] int32, block_slot [P / block_m] int32, num_padded [1] int32) where
-    P = the worst case N + S*(block_m - 1) rounded up to block_m; sorted_ids holds token-slot indices
-    grouped by slot, each slot's group padded to a multiple of block_m with the sentinel N, and rows past
-    num_padded[0] unused (sentinel).
+    topk_ids [T, K] int; expert_to_slot [E] int32; S = num_slots.
+    Returns (slot [N] int32, sorted_ids [P] int32, block_slot [P / block_m] int32, num_padded [1] int32):
+    slot[n] is token-slot n's GPU slot or -1 (id -1 or out of [0, E), or slot outside [0, S));
+    sorted_ids holds the token-slots of each slot together (in no fixed order inside a slot), each
+    slot's group padded to a multiple of block_m with the sentinel N; P = N + S*(block_m - 1) rounded up
+    to block_m is the worst case, and rows from num_padded[0] on are unused (sentinel).
     """
-    n = slot.numel()
-    dev = slot.device
+    kern = _kernels()
+    n = topk_ids.numel()
+    dev = topk_ids.device
     s = num_slots
     p = -(-(n + s * (block_m - 1)) // block_m) * block_m
-    counts = torch.zeros(s + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, slot, torch.ones_like(slot))
-    padded = (counts + (block_m - 1)) // block_m * block_m
-    padded[s] = 0
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    count_start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(slot, stable=True)
-    sorted_slot = slot[order]
-    rank = torch.arange(n, device=dev) - count_start[sorted_slot]
-    # Token-slots not on the GPU go to a trash row past the end (dropped below).
-    dest = torch.where(sorted_slot < s, padded_start[sorted_slot] + rank, p)
-    sorted_ids = torch.full((p + 1,), n, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    block_end = padded_end[:s] // block_m
-    block_slot = torch.searchsorted(block_end, torch.arange(p // block_m, device=dev), right=True)
-    block_slot = block_slot.clamp_(max=max(s - 1, 0)).to(torch.int32)
-    num_padded = padded_end[s:].to(torch.int32)
-    return sorted_ids[:p], block_slot, num_padded
+    sp2 = max(16, 1 << max(s - 1, 0).bit_length())
+    ids = topk_ids.reshape(n)
+    e2s = expert_to_slot.to(torch.int32)
+    scratch = torch.zeros(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor
+    counts, cursor = scratch[:sp2], scratch[sp2:]
+    slot = torch.empty(n, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(p, dtype=torch.int32, device=dev)
+    block_slot = torch.empty(p // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    blk = 1024
+    kern.slot_count_kernel[(-(-n // blk),)](ids, e2s, slot, counts, n, e2s.numel(), s, BLOCK=blk)
+    kern.slot_offsets_kernel[(1,)](counts, cursor, block_slot, num_padded, sorted_ids, n, s, p,
+                                   SP2=sp2, BLOCK_M=block_m, CHUNK=64 if sp2 <= 256 else 16)
+    kern.slot_scatter_kernel[(-(-n // blk),)](slot, cursor, sorted_ids, n, BLOCK=blk)
+    return slot, sorted_ids, block_slot, num_padded
 
 
 def _check(x, topk_ids, topk_weights, expert_to_slot, w13, w2, w13_scale, w2_scale):
@@ -182,15 +180,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
     dev = x.device
     n = t * k
-    e = expert_to_slot.shape[0]
-    ids = topk_ids.reshape(n).to(torch.int64)
-    e2s = expert_to_slot.to(torch.int64)
-    valid_id = (ids >= 0) & (ids < e)
-    slot = torch.where(valid_id, e2s[ids.clamp(0, max(e - 1, 0))], -1) if e else torch.full_like(ids, -1)
-    slot = torch.where((slot >= 0) & (slot < s), slot, s)
-    slot32 = torch.where(slot < s, slot, -1).to(torch.int32)
     bm = config.block_m
-    sorted_ids, block_slot, num_padded = align_by_slot(slot, s, bm)
+    slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s, bm)
     num_blocks = block_slot.numel()
 
     cdt = _compute_dtype(x.dtype, w13.dtype)

@@ -113,3 +113,32 @@ def routed_case(device, ids_list, e2s_list, h, i, seed):
     tol = 1e-5 if device == "cpu" else 2e-3
     assert_close(ref, out, rtol=tol, atol=tol * (float(np.abs(ref).max()) or 1.0), what="routed case")
     return out.cpu()
+
+
+def align_case(device, t, k, e2s_list, block_m, seed):
+    """align_by_slot: every GPU token-slot exactly once, in a block of its own slot; padding = sentinel."""
+    from kt.gpu_ops.moe import align_by_slot
+
+    gen = torch.Generator().manual_seed(seed)
+    e2s = torch.tensor(e2s_list, dtype=torch.int32)
+    e = e2s.numel()
+    s = int(e2s.max()) + 1 if (e2s >= 0).any() else 0
+    ids = torch.randint(-1, e + 2, (t, k), generator=gen)  # includes -1 and out-of-range ids
+    slot, sorted_ids, block_slot, num_padded = [v.cpu() for v in align_by_slot(ids.to(device), e2s.to(device), s, block_m)]
+    n = t * k
+    flat = ids.reshape(n)
+    want_slot = torch.tensor([int(e2s[i]) if 0 <= i < e else -1 for i in flat.tolist()], dtype=torch.int32)
+    assert torch.equal(slot, want_slot), (slot, want_slot)
+    p = sorted_ids.numel()
+    assert p % block_m == 0 and p >= n + s * (block_m - 1) and block_slot.numel() == p // block_m
+    used = int(num_padded[0])
+    counts = [int((slot == j).sum()) for j in range(s)]
+    assert used == sum(-(-c // block_m) * block_m for c in counts), (used, counts)
+    assert torch.all(sorted_ids[used:] == n)
+    seen = []
+    for b in range(used // block_m):
+        rows = sorted_ids[b * block_m:(b + 1) * block_m]
+        real = rows[rows < n]
+        assert torch.all(slot[real.long()] == block_slot[b]), f"block {b}: a row of another slot"
+        seen += real.tolist()
+    assert sorted(seen) == sorted(torch.nonzero(slot >= 0).flatten().tolist()), "GPU token-slots not each once"

@@ -13,7 +13,6 @@ import torch
 
 import _cases
 from kt.gpu_ops import fused_moe
-from kt.gpu_ops.moe import align_by_slot
 
 # Non-contiguous slot maps (holes, slots out of expert order). With T=1 at most K experts are routed,
 # so some GPU slots get no token.
@@ -76,25 +75,10 @@ def test_cpu_tensors_without_interpreter_is_a_clear_error():
     assert "ERR fused_moe: CPU tensors need the Triton interpreter" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("n,s,bm", [(1, 3, 16), (37, 4, 16), (64, 5, 32), (0, 2, 16)])
-def test_align_by_slot(n, s, bm):
-    gen = torch.Generator().manual_seed(n + s)
-    slot = torch.randint(0, s + 1, (n,), generator=gen)  # value s = not on the GPU
-    sorted_ids, block_slot, num_padded = align_by_slot(slot, s, bm)
-    p = sorted_ids.numel()
-    assert p % bm == 0 and p >= n + s * (bm - 1) and block_slot.numel() == p // bm
-    used = int(num_padded[0])
-    counts = [int((slot == j).sum()) for j in range(s)]
-    assert used == sum(-(-c // bm) * bm for c in counts)
-    assert torch.all(sorted_ids[used:] == n)
-    seen = []
-    for b in range(used // bm):
-        rows = sorted_ids[b * bm:(b + 1) * bm]
-        real = rows[rows < n]
-        assert torch.all(slot[real.long()] == block_slot[b]), "a row sits in another slot's block"
-        seen += real.tolist()
-    on_gpu = sorted(torch.nonzero(slot < s).flatten().tolist())
-    assert sorted(seen) == on_gpu, "each GPU token-slot must appear exactly once"
+@pytest.mark.parametrize("t,k,e2s,bm", [(1, 2, E2S_A, 16), (37, 3, E2S_B, 16), (33, 4, E2S_A, 32),
+                                      (0, 2, E2S_A, 16), (5, 2, [-1, -1, -1], 16)])
+def test_align_by_slot(run_case, t, k, e2s, bm):
+    run_case(_cases.align_case, t, k, e2s, bm, t + k + bm)
 
 
 def _args(device="cpu", t=3, k=2, h=64, i=32, s=2, e=4):
