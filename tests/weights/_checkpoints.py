@@ -93,7 +93,8 @@ def hf_checkpoint(root: Path, family: str, dtype: str = "float32", max_shard_siz
 def _write_config(out: Path, model_type: str, arch: str, n_layers: int, **extra):
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"architectures": [arch], "model_type": model_type, "hidden_size": H,
-           "num_hidden_layers": n_layers, **extra}
+           "num_hidden_layers": n_layers}
+    cfg.update(extra)
     (out / "config.json").write_text(json.dumps(cfg))
 
 
@@ -250,3 +251,27 @@ def layer_errors(out_dir, layer, w13, w2, seed=0, tokens=32, top_k=2):
     r2 = [ref.quantize(w2[e], le.scheme, g) for e in range(n_e)]
     spec = ref.moe_forward_quantized(x, ids, tw, r13, r2)
     return ref.relative_error(out, fp32), float(np.abs(out - spec).max()), le
+
+
+def small_checkpoint(root: Path, n_layers: int = 4, n_e: int = 4, hidden: int = 64, inter: int = 32):
+    """A Qwen3-MoE-named bf16 checkpoint written directly (no transformers), for resume tests."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = root / "small"
+    _write_config(out, "qwen3_moe", "Qwen3MoeForCausalLM", n_layers, num_experts=n_e,
+                  moe_intermediate_size=inter, hidden_size=hidden)
+    gen = torch.Generator().manual_seed(5)
+    tensors, refs = {}, {}
+    for L in range(n_layers):
+        g = (torch.randn(n_e, inter, hidden, generator=gen) / hidden ** 0.5).bfloat16()
+        u = (torch.randn(n_e, inter, hidden, generator=gen) / hidden ** 0.5).bfloat16()
+        d = (torch.randn(n_e, hidden, inter, generator=gen) / inter ** 0.5).bfloat16()
+        for e in range(n_e):
+            pre = f"model.layers.{L}.mlp.experts.{e}"
+            tensors[f"{pre}.gate_proj.weight"] = g[e].clone()
+            tensors[f"{pre}.up_proj.weight"] = u[e].clone()
+            tensors[f"{pre}.down_proj.weight"] = d[e].clone()
+        refs[L] = (torch.cat([g, u], 1).float().numpy(), d.float().numpy())
+    save_file(tensors, out / "model.safetensors")
+    return out, refs
