@@ -1,0 +1,698 @@
+"""CpuPool: persistent CPU worker threads that run one job at a time, with a fast hand-off.
+
+Jobs are *joinable*: every participant (a background worker, or the calling thread inside
+``wait()``) enters the same job and takes work from it until none is left, so a job never waits
+for a particular thread. A native job is a jitted ``job(nthreads, jctrl, desc)`` (``desc``: an int64
+descriptor the submitter wrote, ``jctrl``: zeroed per-job control words); it claims its own
+participant id from ``jctrl[JOB_JOIN]`` and sets ``jctrl[JOB_COMPLETE]`` when its last task is done.
+Background workers run native jobs from a nogil jitted loop, so no GIL is taken between jobs: idle
+workers spin for ``spin_us`` on an atomic sequence number (``load atomic acquire`` + ``pause``) and
+only then block on a ``threading.Condition``. A Python job ``fn(tid)`` runs once per tid in
+[0, num_threads) on whichever participants claim the tids (tests, tools).
+
+By default the caller joins its own jobs (``caller_joins=True``): a pool of ``num_threads`` owns
+``num_threads - 1`` background threads, and the thread calling ``wait()`` is the last participant.
+That keeps an n-core machine at n spinning threads. With ``caller_joins=False`` all
+``num_threads`` are background threads (``submit`` then computes fully in the background).
+
+The pool is an object the caller owns; ``default_pool()`` makes one lazily. Threads are grouped
+per NUMA node (``/sys/devices/system/node``), and can be pinned to their node's CPUs. Pinning is
+off unless the pool owns every CPU of the process affinity set (pinning onto cores that something
+else uses hurts), or ``pin=True``.
+
+An exception raised by a participant is re-raised by ``handle.wait()`` (after every participant
+left the job); it sets ``jctrl[JOB_ABORT]`` so that the others stop early. The pool stays usable.
+``shutdown()`` (also run at interpreter exit, and when the pool is garbage-collected) joins cleanly.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from llvmlite import ir
+
+__all__ = ["CpuPool", "PoolHandle", "default_pool", "numa_nodes", "atomic_load", "atomic_store",
+           "atomic_add", "cpu_pause", "CTRL_STRIDE", "JOB_ABORT", "JOB_COMPLETE", "JOB_FREE"]
+
+# One control word per 128 bytes so that counters written by different threads never share a line.
+CTRL_STRIDE = 16
+
+
+# ----------------------------------------------------------------------------- jitted atomics
+
+def _elem_ptr(context, builder, aryty, ary_val, idx_val, idxty):
+    ary = context.make_array(aryty)(context, builder, ary_val)
+    idx = context.cast(builder, idx_val, idxty, types.intp)
+    return cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False)
+
+
+@intrinsic
+def atomic_load(typingctx, arr, idx):
+    """arr[idx] with acquire ordering (arr: 1-D int64 array)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return builder.load_atomic(ptr, "acquire", 8)
+
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def atomic_store(typingctx, arr, idx, val):
+    """arr[idx] = val with release ordering."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.store_atomic(v, ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(arr, idx, val), codegen
+
+
+@intrinsic
+def atomic_add(typingctx, arr, idx, val):
+    """Sequentially consistent fetch-and-add; returns the old value."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("add", ptr, v, "seq_cst")
+
+    return types.int64(arr, idx, val), codegen
+
+
+@intrinsic
+def cpu_pause(typingctx):
+    """The x86 ``pause`` hint for spin loops."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                            "llvm.x86.sse2.pause")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+_libc = ctypes.CDLL(None)
+_sched_yield = _libc.sched_yield
+_sched_yield.argtypes = []
+_sched_yield.restype = ctypes.c_int
+
+
+@njit(nogil=True)
+def spin_until_changed(ctrl, idx, old, max_spins):
+    """Spin (pause) until ctrl[idx] != old or max_spins pauses have passed; returns ctrl[idx]."""
+    for i in range(max_spins):
+        v = atomic_load(ctrl, idx)
+        if v != old:
+            return v
+        cpu_pause()
+        if (i & 1023) == 1023:
+            _sched_yield()
+    return atomic_load(ctrl, idx)
+
+
+@njit(nogil=True)
+def spin_until_at_least(ctrl, idx, target, max_spins):
+    """Spin until ctrl[idx] >= target or max_spins pauses passed; returns ctrl[idx]."""
+    for i in range(max_spins):
+        v = atomic_load(ctrl, idx)
+        if v >= target:
+            return v
+        cpu_pause()
+        if (i & 1023) == 1023:
+            _sched_yield()
+    return atomic_load(ctrl, idx)
+
+
+# Locked (GIL-held) variants: used where Python-level ordering with the GIL matters.
+@njit
+def _load_gil(ctrl, idx):
+    return atomic_load(ctrl, idx)
+
+
+@njit
+def _store_gil(ctrl, idx, val):
+    atomic_store(ctrl, idx, val)
+
+
+@njit
+def _add_gil(ctrl, idx, val):
+    return atomic_add(ctrl, idx, val)
+
+
+
+
+@njit(nogil=True)
+def _spin_for_job(ctrl, last, max_spins):
+    """Spin until SEQ holds a published job other than ``last`` (SEQ > 0) or STOP is set."""
+    for i in range(max_spins):
+        v = atomic_load(ctrl, _SEQ)
+        if (v > 0 and v != last) or atomic_load(ctrl, _STOP) != 0:
+            return v
+        cpu_pause()
+        if (i & 1023) == 1023:
+            _sched_yield()
+    return last
+
+
+@njit(nogil=True)
+def _spin_done(jctrl, max_spins):
+    """Spin until the job is complete or aborted; returns True if it is."""
+    for i in range(max_spins):
+        if atomic_load(jctrl, JOB_COMPLETE) != 0 or atomic_load(jctrl, JOB_ABORT) != 0:
+            return True
+        cpu_pause()
+        if (i & 255) == 255:
+            _sched_yield()
+    return atomic_load(jctrl, JOB_COMPLETE) != 0 or atomic_load(jctrl, JOB_ABORT) != 0
+
+
+@njit(nogil=True)
+def _spin_idle(ctrl, max_spins):
+    """Spin until no participant is inside a job; returns True if so."""
+    for i in range(max_spins):
+        if atomic_load(ctrl, _ACTIVE) == 0:
+            return True
+        cpu_pause()
+        if (i & 255) == 255:
+            _sched_yield()
+    return atomic_load(ctrl, _ACTIVE) == 0
+
+
+# ----------------------------------------------------------------------------- job control
+
+# per-job control words (jctrl); a job's own words start at JOB_FREE
+JOB_ABORT = 0
+JOB_COMPLETE = CTRL_STRIDE
+JOB_JOIN = 2 * CTRL_STRIDE
+_JOB_PYDONE = 3 * CTRL_STRIDE
+JOB_FREE = 4 * CTRL_STRIDE
+JCTRL_SIZE = 8192  # int64 words
+
+# pool control words (ctrl)
+_SEQ = 0
+_STOP = CTRL_STRIDE
+_KIND = 2 * CTRL_STRIDE
+_ACTIVE = 3 * CTRL_STRIDE
+
+# return codes of a native worker loop
+_TIMEOUT, _STOPPED, _OTHER_KIND = 0, 1, 2
+
+DESC_SIZE = 1024  # int64 words of the job descriptor a native job reads
+
+
+def make_worker_loop(job):
+    """A nogil worker loop that joins every published job of its kind, without the GIL."""
+
+    @njit(nogil=True)
+    def loop(ctrl, jctrl, desc, nth, last, spin_iters, my_kind):
+        while True:
+            seq = _spin_for_job(ctrl, last, spin_iters)
+            if atomic_load(ctrl, _STOP) != 0:
+                return seq, _STOPPED
+            if seq == last:
+                return last, _TIMEOUT
+            if atomic_load(ctrl, _KIND) != my_kind:
+                return last, _OTHER_KIND
+            atomic_add(ctrl, _ACTIVE, 1)
+            if atomic_load(ctrl, _SEQ) != seq:  # the submitter closed it meanwhile
+                atomic_add(ctrl, _ACTIVE, -1)
+                continue
+            job(nth, jctrl, desc)
+            atomic_add(ctrl, _ACTIVE, -1)
+            last = seq
+
+    return loop
+
+
+# ----------------------------------------------------------------------------- topology
+
+def _parse_cpulist(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-")
+            cpus.extend(range(int(a), int(b) + 1))
+        else:
+            cpus.append(int(part))
+    return cpus
+
+
+def numa_nodes(allowed: set[int] | None = None) -> dict[int, list[int]]:
+    """NUMA node -> CPUs of this process's affinity set on it (one node 0 when sysfs is absent)."""
+    if allowed is None:
+        allowed = set(os.sched_getaffinity(0))
+    nodes: dict[int, list[int]] = {}
+    base = Path("/sys/devices/system/node")
+    try:
+        for d in sorted(base.glob("node[0-9]*")):
+            cpus = [c for c in _parse_cpulist((d / "cpulist").read_text()) if c in allowed]
+            if cpus:
+                nodes[int(d.name[4:])] = cpus
+    except (OSError, ValueError):
+        nodes = {}
+    if not nodes:
+        nodes = {0: sorted(allowed)}
+    return nodes
+
+
+class _Job:
+    __slots__ = ("fn", "native", "errors", "complete", "keep", "lock")
+
+    def __init__(self, fn, native, keep=None):
+        self.fn = fn
+        self.native = native
+        self.errors: list[tuple[int, BaseException]] = []
+        self.complete = False
+        self.keep = keep  # arrays the descriptor points into, alive until the job completes
+        self.lock = threading.Lock()
+
+
+class _State:
+    """Everything the worker threads share (workers hold no reference to the CpuPool itself)."""
+
+    def __init__(self, nthreads, spin_iters):
+        self.nthreads = nthreads
+        self.spin_iters = spin_iters
+        self.ctrl = np.zeros(8 * CTRL_STRIDE, np.int64)
+        self.jctrl = np.zeros(JCTRL_SIZE, np.int64)
+        self.desc = np.zeros(DESC_SIZE, np.int64)
+        self.cond = threading.Condition()
+        self.sleepers = 0
+        self.job: _Job | None = None
+        self.loops: dict[int, object] = {}
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()  # one submitter at a time
+        self.closed = False
+
+
+def _fail(state: _State, job: _Job, who: int, exc: BaseException) -> None:
+    with job.lock:
+        job.errors.append((who, exc))
+    _store_gil(state.jctrl, JOB_ABORT, 1)
+
+
+def _participate_python(state: _State, job: _Job) -> None:
+    """Claim tids of a Python job until none is left."""
+    n = state.nthreads
+    while True:
+        tid = int(_add_gil(state.jctrl, JOB_JOIN, 1))
+        if tid >= n:
+            return
+        try:
+            job.fn(tid)
+        except BaseException as exc:  # noqa: BLE001 - re-raised at wait()
+            _fail(state, job, tid, exc)
+        if _add_gil(state.jctrl, _JOB_PYDONE, 1) == n - 1:
+            _store_gil(state.jctrl, JOB_COMPLETE, 1)
+
+
+def _participate(state: _State, job: _Job, who: int) -> None:
+    """Run the job as one participant (the caller of wait(), or a worker that left its loop)."""
+    if job.native:
+        try:
+            job.fn(state.nthreads, state.jctrl, state.desc)
+        except BaseException as exc:  # noqa: BLE001
+            _fail(state, job, who, exc)
+    else:
+        _participate_python(state, job)
+
+
+def _worker_main(state: _State, wid: int, cpus: list[int] | None):
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError:
+            pass
+    ctrl = state.ctrl
+    n = state.nthreads
+    last = 0
+    loop_kind = 0
+    while True:
+        if loop_kind:
+            try:
+                last, code = state.loops[loop_kind](ctrl, state.jctrl, state.desc, n, last,
+                                                    state.spin_iters, loop_kind)
+            except BaseException as exc:  # noqa: BLE001 - the job raised: re-raised at wait()
+                last = _load_gil(ctrl, _SEQ)
+                _fail(state, state.job, wid, exc)
+                _add_gil(ctrl, _ACTIVE, -1)
+                continue
+        else:
+            seq = _spin_for_job(ctrl, last, state.spin_iters)
+            code = _STOPPED if _load_gil(ctrl, _STOP) else (_TIMEOUT if seq == last else _OTHER_KIND)
+        if code == _STOPPED:
+            return
+        if code == _TIMEOUT:
+            with state.cond:
+                state.sleepers += 1
+                while True:
+                    v = _load_gil(ctrl, _SEQ)
+                    if (v > 0 and v != last) or _load_gil(ctrl, _STOP):
+                        break
+                    state.cond.wait(0.5)
+                state.sleepers -= 1
+            continue
+        kind = int(_load_gil(ctrl, _KIND))
+        if kind:
+            loop_kind = kind
+            continue
+        # a Python job
+        seq = _load_gil(ctrl, _SEQ)
+        _add_gil(ctrl, _ACTIVE, 1)
+        if _load_gil(ctrl, _SEQ) == seq and seq > 0:
+            _participate_python(state, state.job)
+        _add_gil(ctrl, _ACTIVE, -1)
+        last = seq
+
+
+def _shutdown_state(state: _State, timeout: float = 10.0) -> None:
+    with state.lock:
+        if state.closed:
+            return
+        state.closed = True
+        _store_gil(state.ctrl, _STOP, 1)
+        with state.cond:
+            state.cond.notify_all()
+    me = threading.current_thread()
+    for t in state.threads:
+        if t is not me:
+            t.join(timeout)
+
+
+class PoolHandle:
+    """The result of ``CpuPool.submit``: ``wait()`` joins the job (when the pool lets the caller
+    join), blocks until it is complete, re-raises the first participant's exception (if any),
+    then returns ``finish()``'s value."""
+
+    def __init__(self, pool: "CpuPool", job: _Job, finish=None):
+        self._pool = pool
+        self._job = job
+        self._finish = finish
+        self._result = None
+        self._waited = False
+
+    def done(self) -> bool:
+        st = self._pool._state
+        return self._job.complete or (st.job is self._job and (
+            _load_gil(st.jctrl, JOB_COMPLETE) != 0 or _load_gil(st.jctrl, JOB_ABORT) != 0))
+
+    def wait(self):
+        if not self._waited:
+            self._pool._wait_job(self._job)
+            self._waited = True
+            if self._job.errors:
+                who, exc = self._job.errors[0]
+                raise RuntimeError(
+                    f"kt CpuPool: a job participant ({who}) raised {type(exc).__name__}: {exc}"
+                ) from exc
+            if self._finish is not None:
+                self._result = self._finish()
+                self._finish = None
+        return self._result
+
+
+@dataclass(frozen=True)
+class _Placement:
+    node: int
+    cpus: list[int] | None
+
+
+class CpuPool:
+    """Persistent worker threads, grouped per NUMA node.
+
+    num_threads: threads that compute a job (default ``KT_NUM_THREADS`` or the CPUs of the process
+        affinity set), the caller included when ``caller_joins``.
+    pin: pin each background thread to a CPU of its NUMA node (one CPU each when there are at
+        most as many threads as CPUs); None = only when the pool owns every CPU of the affinity set.
+    spin_us: how long idle workers (and a waiting caller) spin before they block.
+    caller_joins: the thread in ``wait()`` takes part in the job (see the module docstring).
+    """
+
+    def __init__(self, num_threads: int | None = None, *, pin: bool | None = None,
+                 spin_us: float = 2000.0, caller_joins: bool = True):
+        from ..config import get_config
+
+        allowed = sorted(os.sched_getaffinity(0))
+        if num_threads is None:
+            num_threads = get_config().num_threads or len(allowed)
+        if (not isinstance(num_threads, (int, np.integer)) or isinstance(num_threads, bool)
+                or num_threads <= 0):
+            raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+        num_threads = int(num_threads)
+        if not spin_us >= 0:
+            raise ValueError(f"spin_us must be >= 0, got {spin_us}")
+        nodes = numa_nodes(set(allowed))
+        if pin is None:
+            pin = num_threads == len(allowed)
+        self.num_threads = num_threads
+        self.caller_joins = bool(caller_joins)
+        self.num_workers = num_threads - 1 if caller_joins else num_threads
+        self.pinned = bool(pin)
+        self.nodes = nodes
+        self.spin_us = float(spin_us)
+        # the caller's own CPU is the last of the list: background threads take the others
+        self.placements = self._place(num_threads, nodes, self.pinned)[: self.num_workers]
+        self._spin_iters = max(1, int(spin_us * 1000 / _PAUSE_NS))
+        self._state = _State(num_threads, self._spin_iters)
+        self._kinds: dict[int, int] = {}
+        self._kind_keep: list = []
+        self._last: _Job | None = None
+        self._scratch: dict[str, np.ndarray] = {}
+        self.scratch_version = 0  # bumped whenever a scratch buffer is reallocated
+        self._start()
+        self._finalizer = weakref.finalize(self, _shutdown_state, self._state)
+        _register_atexit(self._state)
+
+    @staticmethod
+    def _place(n, nodes, pin) -> list[_Placement]:
+        """Spread n threads over the nodes in proportion to their CPUs."""
+        total = sum(len(c) for c in nodes.values())
+        keys = sorted(nodes)
+        counts = {k: (n * len(nodes[k])) // total for k in keys}
+        i = 0
+        while sum(counts.values()) < n:
+            counts[keys[i % len(keys)]] += 1
+            i += 1
+        out: list[_Placement] = []
+        for k in keys:
+            cpus = nodes[k]
+            for j in range(counts[k]):
+                if not pin:
+                    out.append(_Placement(k, None))
+                elif counts[k] <= len(cpus):
+                    out.append(_Placement(k, [cpus[j * len(cpus) // counts[k]]]))
+                else:
+                    out.append(_Placement(k, list(cpus)))
+        return out
+
+    def _start(self):
+        st = self._state
+        for wid, pl in enumerate(self.placements):
+            t = threading.Thread(target=_worker_main, args=(st, wid, pl.cpus),
+                                 name=f"kt-cpu-{wid}", daemon=True)
+            st.threads.append(t)
+            t.start()
+
+    # -- jobs
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    def scratch(self, name: str, size: int, dtype) -> np.ndarray:
+        """A pool-owned 1-D buffer of at least ``size`` elements, grown on demand and shared by
+        every job of this pool (one job runs at a time). Contents are undefined."""
+        dtype = np.dtype(dtype)
+        key = f"{name}:{dtype.str}"
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < size:
+            buf = np.empty(max(int(size), 1), dtype)
+            self._scratch[key] = buf
+            self.scratch_version += 1
+        return buf[:size]
+
+    def _kind(self, job) -> int:
+        k = self._kinds.get(id(job))
+        if k is None:
+            k = len(self._kinds) + 1
+            self._kinds[id(job)] = k
+            self._kind_keep.append(job)
+            self._state.loops[k] = make_worker_loop(job)
+        return k
+
+    def begin(self, jctrl_words: int = JOB_FREE) -> tuple[np.ndarray, np.ndarray]:
+        """Finish the job in flight, close the pool to late joiners, and hand out (desc, jctrl)
+        for the next native job: write ``desc``, then ``submit_native``. ``jctrl[:jctrl_words]``
+        is zeroed."""
+        st = self._state
+        if st.closed:
+            raise RuntimeError("kt CpuPool: used after shutdown()")
+        if not JOB_FREE <= jctrl_words <= JCTRL_SIZE:
+            raise ValueError(f"jctrl_words must be in [{JOB_FREE}, {JCTRL_SIZE}], got {jctrl_words}")
+        if self._last is not None and not self._last.complete:
+            self._wait_job(self._last)
+        seq = _load_gil(st.ctrl, _SEQ)
+        if seq > 0:
+            _store_gil(st.ctrl, _SEQ, -seq)  # closed: workers that see a job now must leave it
+        if not _spin_idle(st.ctrl, self._spin_iters):
+            while not _spin_idle(st.ctrl, 1000):
+                time.sleep(0.0002)
+        st.jctrl[:jctrl_words] = 0
+        return st.desc, st.jctrl
+
+    def _publish(self, job: _Job, kind: int, finish) -> PoolHandle:
+        st = self._state
+        with st.lock:
+            if st.closed:
+                raise RuntimeError("kt CpuPool: submit() after shutdown()")
+            st.job = job
+            _store_gil(st.ctrl, _KIND, kind)
+            seq = _load_gil(st.ctrl, _SEQ)
+            _store_gil(st.ctrl, _SEQ, abs(seq) + 1)
+            if st.sleepers:
+                with st.cond:
+                    st.cond.notify_all()
+        self._last = job
+        return PoolHandle(self, job, finish)
+
+    def submit(self, fn, finish=None) -> PoolHandle:
+        """Run the Python callable ``fn(tid)`` once for each tid in [0, num_threads);
+        ``finish()`` runs in ``wait()``. One job runs at a time: a submit while a job is in
+        flight first finishes that one (its result and error stay with its own handle)."""
+        self.begin()
+        return self._publish(_Job(fn, False), 0, finish)
+
+    def submit_native(self, job, finish=None, keep=None) -> PoolHandle:
+        """Run the jitted ``job(nthreads, jctrl, desc)`` (see the module docstring). Call
+        ``begin()`` first and write ``desc``; ``keep`` holds the arrays ``desc`` points into."""
+        if self._state.closed:
+            raise RuntimeError("kt CpuPool: submit() after shutdown()")
+        kind = self._kind(job)
+        return self._publish(_Job(job, True, keep), kind, finish)
+
+    def run(self, fn, finish=None):
+        """Synchronous ``submit(fn, finish).wait()``."""
+        return self.submit(fn, finish).wait()
+
+    def _wait_job(self, job: _Job) -> None:
+        if job.complete:
+            return
+        st = self._state
+        if self.caller_joins and st.job is job:
+            _participate(st, job, -1)
+        if not _spin_done(st.jctrl, self._spin_iters):
+            while not _spin_done(st.jctrl, 100):
+                time.sleep(0.0002)
+        if _load_gil(st.jctrl, JOB_ABORT):
+            # a participant failed: the others may still be inside the job
+            while not _spin_idle(st.ctrl, 1000):
+                time.sleep(0.0002)
+        job.complete = True
+        job.keep = None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop and join the workers (idempotent). A job in flight is finished first."""
+        if not self._state.closed and self._last is not None and not self._last.complete:
+            self._wait_job(self._last)
+        _shutdown_state(self._state, timeout)
+
+    def threads_alive(self) -> int:
+        return sum(t.is_alive() for t in self._state.threads)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __repr__(self):
+        return (f"CpuPool(num_threads={self.num_threads}, workers={self.num_workers}, "
+                f"nodes={sorted(self.nodes)}, pinned={self.pinned}, closed={self.closed})")
+
+    # -- measurement
+
+    def handoff_overhead_us(self, repeats: int = 200, native: bool = True) -> dict:
+        """Round trip of an (almost) empty job, submit + wait, in µs: min / median / p90."""
+        if native:
+            def once():
+                self.begin()
+                self.submit_native(_native_noop).wait()
+        else:
+            def once():
+                self.run(_noop)
+        for _ in range(20):
+            once()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            once()
+            ts.append((time.perf_counter_ns() - t0) / 1e3)
+        ts.sort()
+        return {"min": ts[0], "median": ts[len(ts) // 2], "p90": ts[int(len(ts) * 0.9)]}
+
+
+_PAUSE_NS = 30.0  # measured pause + atomic load here (Zen 4); Intel's longer pause only spins less
+
+
+def _noop(tid):
+    return None
+
+
+@njit(nogil=True)
+def _native_noop(nth, jctrl, desc):
+    # every participant that joins counts itself; the last of nth completes the job, so the
+    # measurement includes waking every worker
+    if atomic_add(jctrl, JOB_JOIN, 1) == nth - 1:
+        atomic_store(jctrl, JOB_COMPLETE, 1)
+
+
+_live_states: "weakref.WeakSet[_State]" = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _register_atexit(state: _State) -> None:
+    global _atexit_registered
+    _live_states.add(state)
+    if not _atexit_registered:
+        atexit.register(_shutdown_all)
+        _atexit_registered = True
+
+
+def _shutdown_all() -> None:
+    for st in list(_live_states):
+        _shutdown_state(st, timeout=2.0)
+
+
+_default: CpuPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> CpuPool:
+    """The process-wide pool, created at first use (threads: KT_NUM_THREADS or all allowed CPUs)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = CpuPool()
+        return _default
