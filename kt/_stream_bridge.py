@@ -1,0 +1,178 @@
+"""The CPU part of a hybrid MoE layer, ordered on a CUDA stream with no host synchronisation.
+
+For each call the stream copies the inputs into pinned host buffers and then writes a "start" flag
+(``kt.gpu_ops.stream_sync.CpuSignal``); one service thread per process takes the calls in stream
+order, waits for each one's flag, runs the CPU experts through the layer's ``CPUMoE`` (whose pool
+threads do the work), writes the result into a pinned buffer and sets "done". The stream waits for
+"done" before it copies the result back. The host thread that enqueues a forward never blocks.
+
+CUDA graphs: the GPU side is capturable (only memops / host functions and async copies), but a
+replay runs no Python, so the service thread must be told which calls a replay will make. Calls made
+while capturing are recorded; ``GraphRunner.replay()`` hands that log to the service thread and then
+replays the graph.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["StreamBridge", "GraphRunner", "service"]
+
+
+@dataclass
+class _Channel:
+    signal: object
+    h_x: torch.Tensor | None = None
+    h_ids: torch.Tensor | None = None
+    h_w: torch.Tensor | None = None
+    h_out: torch.Tensor | None = None
+    d_out: torch.Tensor | None = None
+
+
+@dataclass
+class _Job:
+    bridge: "StreamBridge"
+    channel: _Channel
+    t: int
+    gpu_mask: np.ndarray | None
+
+
+class _Service:
+    """One thread that runs stream-ordered CPU jobs in the order they were enqueued."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = None
+        self._lock = threading.Lock()
+        self.errors: list[BaseException] = []
+
+    def submit(self, jobs) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="kt-stream-cpu", daemon=True)
+                self._thread.start()
+        for j in jobs:
+            self._q.put(j)
+
+    def _run(self):
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            ch = job.channel
+            try:
+                ch.signal.wait_start()
+                t = job.t
+                job.bridge.cpu(ch.h_x[:t], ch.h_ids[:t], ch.h_w[:t], gpu_mask=job.gpu_mask,
+                               out=ch.h_out[:t])
+            except BaseException as exc:  # keep the stream from hanging; report at the next call
+                self.errors.append(exc)
+                try:
+                    ch.h_out[: job.t].fill_(float("nan"))
+                except Exception:
+                    pass
+            finally:
+                ch.signal.set_done()
+
+    def raise_pending(self) -> None:
+        if self.errors:
+            exc = self.errors.pop(0)
+            self.errors.clear()
+            raise RuntimeError(f"kt: the CPU part of a hybrid MoE layer failed: {exc!r}") from exc
+
+
+service = _Service()
+_capture = threading.local()
+
+
+class StreamBridge:
+    """Stream-ordered CPU calls of one layer; channels "now" and "deferred" run independently."""
+
+    def __init__(self, cpu_moe, device, mode: str = "auto"):
+        from .gpu_ops.stream_sync import CpuSignal
+
+        self.cpu = cpu_moe
+        self.device = torch.device(device)
+        self.channels = {name: _Channel(CpuSignal(mode, self.device)) for name in ("now", "deferred")}
+
+    def _buffers(self, ch: _Channel, t: int, k: int, x_dtype, ids_dtype) -> None:
+        h = self.cpu.hidden
+        if ch.h_x is None or ch.h_x.shape[0] < t or ch.h_ids.shape[1] != k or ch.h_x.dtype != x_dtype:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("HybridMoE: run one eager forward of the same shape before capturing")
+            cap = max(t, 16)
+            ch.h_x = torch.empty((cap, h), dtype=x_dtype, pin_memory=True)
+            ch.h_ids = torch.empty((cap, k), dtype=ids_dtype, pin_memory=True)
+            ch.h_w = torch.empty((cap, k), dtype=torch.float32, pin_memory=True)
+            ch.h_out = torch.empty((cap, h), dtype=x_dtype, pin_memory=True)
+            ch.d_out = torch.empty((cap, h), dtype=x_dtype, device=self.device)
+
+    def start(self, x, topk_ids, topk_weights, gpu_mask, slot: str = "now") -> _Job:
+        service.raise_pending()
+        ch = self.channels[slot]
+        t, k = topk_ids.shape
+        self._buffers(ch, t, k, x.dtype, topk_ids.dtype)
+        stream = torch.cuda.current_stream(self.device)
+        ch.h_x[:t].copy_(x, non_blocking=True)
+        ch.h_ids[:t].copy_(topk_ids, non_blocking=True)
+        ch.h_w[:t].copy_(topk_weights, non_blocking=True)
+        ch.signal.signal_start(stream)
+        job = _Job(self, ch, t, None if gpu_mask is None else gpu_mask.copy())
+        log = getattr(_capture, "log", None)
+        if torch.cuda.is_current_stream_capturing():
+            if log is None:
+                raise RuntimeError("capture hybrid MoE layers with kt.hybrid.GraphRunner (the CPU part "
+                                   "needs its calls replayed)")
+            log.append(job)
+        else:
+            service.submit([job])
+        return job
+
+    def finish(self, job: _Job) -> torch.Tensor:
+        ch, t = job.channel, job.t
+        stream = torch.cuda.current_stream(self.device)
+        ch.signal.wait_done(stream)
+        out = ch.d_out[:t]
+        out.copy_(ch.h_out[:t], non_blocking=True)
+        return out
+
+
+class GraphRunner:
+    """Capture a step that calls hybrid MoE layers into a CUDA graph, and replay it.
+
+        runner = GraphRunner()
+        with runner.capture():
+            y = step(x)            # eager-warm the same shapes first
+        runner.replay()            # re-runs the step (CPU parts included) on new contents of x
+    """
+
+    def __init__(self, pool=None):
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+        self.log: list[_Job] = []
+
+    def capture(self, stream=None):
+        runner = self
+
+        class _Ctx:
+            def __enter__(self_inner):
+                _capture.log = runner.log
+                self_inner.g = torch.cuda.graph(runner.graph, pool=runner.pool, stream=stream)
+                return self_inner.g.__enter__()
+
+            def __exit__(self_inner, *exc):
+                try:
+                    return self_inner.g.__exit__(*exc)
+                finally:
+                    _capture.log = None
+
+        return _Ctx()
+
+    def replay(self) -> None:
+        service.raise_pending()
+        service.submit(list(self.log))
+        self.graph.replay()

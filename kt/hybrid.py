@@ -1,0 +1,442 @@
+"""HybridMoE: one MoE layer split between GPU slots (hot experts) and the CPU (cold experts).
+
+Legend: T tokens, E experts, K top-k, H hidden, I intermediate, S GPU slots.
+
+Data flow of ``forward`` with CUDA tensors (no host synchronisation, CUDA-graph capturable):
+
+    x, ids, w (GPU) --D2H on the stream--> pinned buffers --stream writes "start"--> CPU worker
+    GPU: Triton fused MoE over the hot experts (runs while the CPU computes the cold ones)
+    stream waits for "done" --H2D of the CPU result--> out = gpu_out + cpu_out (+ deferred)
+
+Deferred experts (``max_deferred_experts_per_token = d``): for each token, its d lowest-weight
+CPU experts are not waited for in this layer; they are computed while the next layer runs and
+their contribution is added to the *next* layer's MoE output. This changes the model's math (the
+deferred part skips the next layer's attention and router input); the last layer defers nothing.
+
+Layer-wise GPU prefill: for batches of at least ``gpu_prefill_token_threshold`` tokens, all of the
+layer's CPU experts are copied to the GPU and computed there. ``"auto"`` picks the threshold from
+a cost model (see ``PrefillCostModel``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .config import QuantScheme
+
+__all__ = ["HybridMoE", "DeferredChain", "split_deferred", "PrefillCostModel"]
+
+
+# ----------------------------------------------------------------------------- routing helpers
+
+def split_deferred(topk_ids: torch.Tensor, topk_weights: torch.Tensor, cpu_expert: torch.Tensor,
+                   d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split routing into (now, later): each token's d lowest-weight CPU experts go to later.
+
+    topk_ids [T, K] (-1 = skip), topk_weights [T, K], cpu_expert [E] bool (True = on the CPU).
+    Returns two [T, K] id tensors with -1 where a slot belongs to the other part. Ties break by
+    slot position (stable). Runs on the ids' device with no host synchronisation.
+    """
+    if d <= 0:
+        return topk_ids, torch.full_like(topk_ids, -1)
+    k = topk_ids.shape[1]
+    valid = topk_ids >= 0
+    on_cpu = valid & cpu_expert[topk_ids.clamp(min=0)]
+    key = torch.where(on_cpu, topk_weights.float(), torch.full_like(topk_weights, float("inf"),
+                                                                    dtype=torch.float32))
+    order = torch.argsort(key, dim=1, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(k, device=order.device).expand_as(order).contiguous())
+    later = on_cpu & (rank < d)
+    minus = torch.full_like(topk_ids, -1)
+    return torch.where(later, minus, topk_ids), torch.where(later, topk_ids, minus)
+
+
+class DeferredChain:
+    """Carries the deferred CPU work of one layer into the next layer's output.
+
+    One chain is shared by the MoE layers of a model, in forward order. A layer ``take()``s the
+    pending work of the previous layer (to add it to its own output) and may ``put()`` its own.
+    """
+
+    def __init__(self):
+        self._pending = None
+        self._lock = threading.Lock()
+
+    def put(self, pending) -> None:
+        with self._lock:
+            if self._pending is not None:
+                raise RuntimeError("DeferredChain: the previous layer's deferred work was never taken")
+            self._pending = pending
+
+    def take(self):
+        with self._lock:
+            p, self._pending = self._pending, None
+            return p
+
+    def reset(self) -> None:
+        """Drop pending work (e.g. at the start of a new forward pass after an error)."""
+        p = self.take()
+        if p is not None:
+            p.wait()
+
+
+# ----------------------------------------------------------------------------- layer-wise prefill
+
+@dataclass
+class PrefillCostModel:
+    """When is copying a layer's CPU experts to the GPU faster than computing them on the CPU?
+
+    CPU time for T tokens:  max(bytes of the experts touched / cpu_bytes_per_s,
+                                2 * 3 * H * I * T * K / cpu_flops)
+    GPU path:               layer_bytes / h2d_bytes_per_s + 2 * 3 * H * I * T * K / gpu_flops
+    The threshold is the smallest T where the GPU path wins. ``cpu_flops`` is refined from the
+    measured CPU part of earlier calls (an exponential average), the H2D rate is measured once.
+    """
+
+    h2d_bytes_per_s: float = 25e9
+    cpu_bytes_per_s: float = 50e9
+    cpu_flops: float = 2e12
+    gpu_flops: float = 300e12
+    observations: int = 0
+
+    def cpu_seconds(self, t: int, k: int, e: int, h: int, i: int, bytes_per_expert: float) -> float:
+        touched = e * (1.0 - (1.0 - 1.0 / e) ** (t * k))  # expected distinct experts hit
+        return max(touched * bytes_per_expert / self.cpu_bytes_per_s, 6.0 * h * i * t * k / self.cpu_flops)
+
+    def gpu_seconds(self, t: int, k: int, e: int, h: int, i: int, bytes_per_expert: float) -> float:
+        return e * bytes_per_expert / self.h2d_bytes_per_s + 6.0 * h * i * t * k / self.gpu_flops
+
+    def threshold(self, k: int, e: int, h: int, i: int, bytes_per_expert: float) -> int:
+        t = 1
+        while t < (1 << 20):
+            if self.gpu_seconds(t, k, e, h, i, bytes_per_expert) < self.cpu_seconds(
+                    t, k, e, h, i, bytes_per_expert):
+                return t
+            t *= 2
+        return 1 << 20
+
+    def observe_cpu(self, t: int, k: int, h: int, i: int, seconds: float) -> None:
+        if seconds <= 0 or t * k < 64:  # decode calls measure bandwidth, not compute
+            return
+        rate = 6.0 * h * i * t * k / seconds
+        self.cpu_flops = rate if self.observations == 0 else 0.7 * self.cpu_flops + 0.3 * rate
+        self.observations += 1
+
+
+def measure_h2d(device, nbytes: int = 64 << 20) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return 3 * nbytes / (time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+@dataclass
+class _Stats:
+    calls: int = 0
+    paths: dict = field(default_factory=lambda: {"hybrid": 0, "gpu_prefill": 0, "cpu_only": 0})
+    last_path: str = ""
+
+
+class HybridMoE:
+    """One MoE layer: hot experts on GPU slots, cold experts on the CPU, computed in parallel.
+
+    cpu_moe: a ``kt.CPUMoE`` holding every expert (the authoritative copy; GPU experts are skipped).
+    gpu_slot: [E] int, the GPU slot of each expert or -1 (a row of ``Placement.gpu_slot``); None or
+      all -1 means all experts on the CPU.
+    device: the CUDA device for the hot experts (None: no GPU; only all-CPU placements then).
+    gpu_dtype: "bf16" or "int8" (weight-only, per-row scales; needs the INT8 CPU scheme).
+    max_deferred_experts_per_token / chain / is_last_layer: deferral (see module doc).
+    gpu_prefill_token_threshold: None (off), an int, or "auto".
+    """
+
+    def __init__(self, cpu_moe, gpu_slot=None, *, device=None, gpu_dtype: str = "bf16",
+                 max_deferred_experts_per_token: int = 0, chain: DeferredChain | None = None,
+                 is_last_layer: bool = False, gpu_prefill_token_threshold=None, layer_idx: int = 0):
+        self.cpu = cpu_moe
+        self.num_experts = int(cpu_moe.num_experts)
+        self.hidden = int(cpu_moe.hidden)
+        self.intermediate = int(cpu_moe.intermediate)
+        self.layer_idx = layer_idx
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type != "cuda":
+            raise ValueError(f"HybridMoE: device must be a CUDA device or None, got {self.device}")
+        if self.device is not None and not torch.cuda.is_available():
+            raise RuntimeError("HybridMoE: a CUDA device was given but torch sees no CUDA GPU")
+        self.gpu_dtype = gpu_dtype
+        d = int(max_deferred_experts_per_token or 0)
+        if d < 0:
+            raise ValueError(f"max_deferred_experts_per_token must be >= 0, got {d}")
+        self.max_deferred = 0 if is_last_layer else d
+        self.chain = chain if chain is not None else (DeferredChain() if d else None)
+        self.is_last_layer = is_last_layer
+        if gpu_prefill_token_threshold not in (None, "auto") and (
+                not isinstance(gpu_prefill_token_threshold, int) or gpu_prefill_token_threshold < 1):
+            raise ValueError("gpu_prefill_token_threshold must be None, 'auto' or a positive int, "
+                             f"got {gpu_prefill_token_threshold!r}")
+        if gpu_prefill_token_threshold is not None and self.device is None:
+            raise ValueError("layer-wise GPU prefill needs a CUDA device")
+        self.prefill_threshold = gpu_prefill_token_threshold
+        self.cost = PrefillCostModel()
+        self._measured_h2d = False
+        self.stats = _Stats()
+        self._lock = threading.Lock()  # forward vs update_placement
+        self._bridge = None
+        self._set_placement(gpu_slot)
+
+    # -- placement ---------------------------------------------------------------------------
+    def _validated_slots(self, gpu_slot) -> np.ndarray:
+        e = self.num_experts
+        if gpu_slot is None:
+            return np.full(e, -1, np.int64)
+        if isinstance(gpu_slot, torch.Tensor):
+            gpu_slot = gpu_slot.detach().cpu().numpy()
+        row = np.asarray(gpu_slot)
+        if row.shape != (e,) or not np.issubdtype(row.dtype, np.integer):
+            raise ValueError(f"HybridMoE: gpu_slot must be an integer [E={e}] row, got shape "
+                             f"{row.shape} dtype {row.dtype}")
+        row = row.astype(np.int64)
+        used = row[row >= 0]
+        if (row < -1).any() or len(np.unique(used)) != len(used) or (used >= max(len(used), 1)).any():
+            raise ValueError("HybridMoE: gpu_slot values must be -1 or distinct slots 0..S-1, got "
+                             f"{row.tolist()}")
+        if len(used) and self.device is None:
+            raise ValueError(f"HybridMoE: {len(used)} experts are placed on the GPU but no CUDA device "
+                             "was given (pass device='cuda', or an all-CPU placement)")
+        return row
+
+    def _build_gpu_weights(self, row: np.ndarray):
+        from ._gpu_weights import packed_to_device
+
+        on_gpu = np.nonzero(row >= 0)[0]
+        experts = on_gpu[np.argsort(row[on_gpu])]  # slot order
+        w13, s13 = packed_to_device(self.cpu.w13, experts, self.device, self.gpu_dtype)
+        w2, s2 = packed_to_device(self.cpu.w2, experts, self.device, self.gpu_dtype)
+        i, off = self.intermediate, int(getattr(self.cpu, "up_offset", self.intermediate))
+        if off != i:  # gate rows [0, I), up rows [off, off + I): drop the padding between them
+            w13 = torch.cat([w13[:, :i], w13[:, off:off + i]], dim=1).contiguous()
+            if s13 is not None:
+                s13 = torch.cat([s13[:, :i], s13[:, off:off + i]], dim=1).contiguous()
+        return w13, w2, s13, s2
+
+    def _set_placement(self, gpu_slot) -> None:
+        row = self._validated_slots(gpu_slot)
+        gpu = None
+        if (row >= 0).any():
+            w13, w2, s13, s2 = self._build_gpu_weights(row)
+            gpu = dict(w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
+                       e2s=torch.from_numpy(row.astype(np.int32)).to(self.device))
+        self._apply(row, gpu)
+
+    def _apply(self, row, gpu) -> None:
+        with self._lock:
+            self.gpu_slot = row
+            self.gpu_mask = row >= 0
+            self._gpu = gpu
+            if self.device is not None:
+                self._cpu_expert_dev = torch.from_numpy(~self.gpu_mask).to(self.device)
+            self._cpu_expert = torch.from_numpy(~self.gpu_mask)
+
+    def update_placement(self, gpu_slot) -> None:
+        """Switch to a new placement row. The new GPU weights are built first (the forward keeps
+        using the old ones meanwhile) and swapped in under a lock, so no forward ever sees a
+        half-written slot. Safe to call from another thread while forwards run."""
+        row = self._validated_slots(gpu_slot)
+        gpu = None
+        if (row >= 0).any():
+            w13, w2, s13, s2 = self._build_gpu_weights(row)
+            gpu = dict(w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
+                       e2s=torch.from_numpy(row.astype(np.int32)).to(self.device))
+            torch.cuda.current_stream(self.device).synchronize()  # copies done before the swap
+        self._apply(row, gpu)
+
+    @property
+    def num_gpu_experts(self) -> int:
+        return int(self.gpu_mask.sum())
+
+    # -- forward -------------------------------------------------------------------------------
+    def _check(self, x, topk_ids, topk_weights):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"HybridMoE: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"HybridMoE: x must be [T, H={self.hidden}], got {tuple(x.shape)}")
+        for name, v in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"HybridMoE: {name} must be a torch.Tensor")
+            if v.device != x.device:
+                raise ValueError(f"HybridMoE: {name} is on {v.device} but x is on {x.device}")
+        if topk_ids.shape != topk_weights.shape or topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"HybridMoE: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                             f"{tuple(topk_weights.shape)} must both be [T={x.shape[0]}, K]")
+        if x.device.type == "cuda":
+            if self.device is None:
+                raise ValueError("HybridMoE: CUDA inputs but the layer was built without a device")
+            if x.device != self.device and not (self.device.index is None and x.device.index ==
+                                                torch.cuda.current_device()):
+                raise ValueError(f"HybridMoE: x is on {x.device}, the layer's GPU experts on {self.device}")
+        elif self.gpu_mask.any():
+            raise ValueError("HybridMoE: CPU inputs, but some experts are placed on the GPU; pass CUDA "
+                             "tensors (or use an all-CPU placement)")
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; topk_ids [T, K] (-1 = skip); topk_weights [T, K] -> out [T, H] in x's dtype."""
+        self._check(x, topk_ids, topk_weights)
+        with self._lock:
+            gpu, cpu_expert = self._gpu, (self._cpu_expert_dev if x.device.type == "cuda"
+                                          else self._cpu_expert)
+            gpu_mask = self.gpu_mask
+        self.stats.calls += 1
+        t = x.shape[0]
+        if x.device.type != "cuda":
+            path = "cpu_only"
+            out = self._forward_cpu(x, topk_ids, topk_weights, cpu_expert, gpu_mask)
+        elif self._use_gpu_prefill(t, topk_ids.shape[1]):
+            path = "gpu_prefill"
+            out = self._forward_gpu_prefill(x, topk_ids, topk_weights)
+        else:
+            path = "hybrid"
+            out = self._forward_hybrid(x, topk_ids, topk_weights, gpu, cpu_expert, gpu_mask)
+        self.stats.paths[path] += 1
+        self.stats.last_path = path
+        return out
+
+    __call__ = forward
+
+    def _add_pending(self, out: torch.Tensor) -> torch.Tensor:
+        """Add the previous layer's deferred contribution (computed meanwhile on the CPU)."""
+        if self.chain is None:
+            return out
+        pending = self.chain.take()
+        if pending is None:
+            return out
+        return pending.add_into(out)
+
+    def _forward_cpu(self, x, topk_ids, topk_weights, cpu_expert, gpu_mask):
+        ids_now, ids_later = split_deferred(topk_ids, topk_weights, cpu_expert, self.max_deferred)
+        t0 = time.perf_counter()
+        out = self.cpu(x, ids_now, topk_weights, gpu_mask=gpu_mask if gpu_mask.any() else None)
+        self.cost.observe_cpu(x.shape[0], topk_ids.shape[1], self.hidden, self.intermediate,
+                              time.perf_counter() - t0)
+        out = self._add_pending(out)
+        if self.max_deferred and self.chain is not None:
+            h = self.cpu.submit(x, ids_later, topk_weights,
+                                gpu_mask=gpu_mask if gpu_mask.any() else None)
+            self.chain.put(_CpuPending(h))
+        return out
+
+    def _forward_hybrid(self, x, topk_ids, topk_weights, gpu, cpu_expert, gpu_mask):
+        from .gpu_ops import fused_moe
+
+        if gpu is None:  # every expert on the CPU: the CPU part is the whole layer
+            return self._cuda_cpu_part(x, topk_ids, topk_weights, cpu_expert, gpu_mask, None)
+        return self._cuda_cpu_part(x, topk_ids, topk_weights, cpu_expert, gpu_mask,
+                                   lambda: fused_moe(x, topk_ids, topk_weights, gpu["e2s"], gpu["w13"],
+                                                     gpu["w2"], w13_scale=gpu["w13_scale"],
+                                                     w2_scale=gpu["w2_scale"]))
+
+    def _cuda_cpu_part(self, x, topk_ids, topk_weights, cpu_expert, gpu_mask, gpu_fn):
+        """Stream-ordered CPU part around the GPU work ``gpu_fn`` (see module doc)."""
+        bridge = self._get_bridge()
+        ids_now, ids_later = split_deferred(topk_ids, topk_weights, cpu_expert, self.max_deferred)
+        mask = gpu_mask if gpu_mask.any() else None
+        job = bridge.start(x, ids_now, topk_weights, mask)  # D2H + "start" on the stream
+        gpu_out = gpu_fn() if gpu_fn is not None else None
+        cpu_out = bridge.finish(job)  # stream waits for "done", then H2D
+        out = cpu_out if gpu_out is None else gpu_out + cpu_out
+        out = self._add_pending(out)
+        if self.max_deferred and self.chain is not None:
+            later = bridge.start(x, ids_later, topk_weights, mask, slot="deferred")
+            self.chain.put(_StreamPending(bridge, later))
+        return out
+
+    def _get_bridge(self):
+        if self._bridge is None:
+            from ._stream_bridge import StreamBridge
+
+            self._bridge = StreamBridge(self.cpu, self.device)
+        return self._bridge
+
+    # -- layer-wise prefill ----------------------------------------------------------------------
+    def _bytes_per_expert(self) -> float:
+        return (self.cpu.w13.nbytes + self.cpu.w2.nbytes) / self.num_experts
+
+    def prefill_threshold_tokens(self, k: int) -> int | None:
+        if self.prefill_threshold is None:
+            return None
+        if self.prefill_threshold != "auto":
+            return int(self.prefill_threshold)
+        if not self._measured_h2d:
+            self.cost.h2d_bytes_per_s = measure_h2d(self.device)
+            self._measured_h2d = True
+        return self.cost.threshold(k, self.num_experts, self.hidden, self.intermediate,
+                                   self._bytes_per_expert())
+
+    def _use_gpu_prefill(self, t: int, k: int) -> bool:
+        thr = self.prefill_threshold_tokens(k)
+        return thr is not None and t >= thr
+
+    def _forward_gpu_prefill(self, x, topk_ids, topk_weights):
+        """Every expert on the GPU for this batch: copy the CPU experts over, compute, drop them."""
+        from .gpu_ops import fused_moe
+
+        with self._lock:
+            gpu = self._gpu
+            row = self.gpu_slot
+        cpu_experts = np.nonzero(row < 0)[0]
+        w13c, w2c, s13c, s2c = self._build_gpu_weights(
+            np.where(row < 0, np.cumsum(row < 0) - 1, -1))
+        e2s = torch.full((self.num_experts,), -1, dtype=torch.int32)
+        e2s[torch.from_numpy(cpu_experts)] = torch.arange(len(cpu_experts), dtype=torch.int32)
+        out = fused_moe(x, topk_ids, topk_weights, e2s.to(self.device), w13c, w2c,
+                        w13_scale=s13c, w2_scale=s2c)
+        if gpu is not None:
+            out = out + fused_moe(x, topk_ids, topk_weights, gpu["e2s"], gpu["w13"], gpu["w2"],
+                                  w13_scale=gpu["w13_scale"], w2_scale=gpu["w2_scale"])
+        return self._add_pending(out)
+
+    # -- construction helpers ---------------------------------------------------------------------
+    @classmethod
+    def from_tensors(cls, gate, up, down, gpu_slot=None, *, scheme: QuantScheme | str = "int8",
+                     group_size: int = 64, pool=None, **kwargs) -> "HybridMoE":
+        """gate/up [E, I, H], down [E, H, I]; see the class doc for the other arguments."""
+        from .cpu_ops.moe import CPUMoE
+
+        cpu = CPUMoE.from_tensors(gate, up, down, scheme=scheme, group_size=group_size, pool=pool)
+        return cls(cpu, gpu_slot, **kwargs)
+
+
+class _CpuPending:
+    """Deferred work running in the CPU pool (CPU tensors)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def wait(self):
+        return self.handle.wait()
+
+    def add_into(self, out):
+        return out + self.handle.wait()
+
+
+class _StreamPending:
+    """Deferred work ordered on the CUDA stream: the next layer's stream waits for it."""
+
+    def __init__(self, bridge, job):
+        self.bridge, self.job = bridge, job
+
+    def wait(self):
+        return self.bridge.finish(self.job)
+
+    def add_into(self, out):
+        return out + self.bridge.finish(self.job)

@@ -1,0 +1,127 @@
+"""HybridMoE on a machine without a GPU: placement split logic, deferral arithmetic, fallbacks.
+
+The GPU paths (stream-ordered CPU part, CUDA graphs, layer-wise prefill) run on the device machine
+through benchmarks/bench_hybrid.py; here every placement is all-CPU.
+"""
+import numpy as np
+import pytest
+import torch
+
+from kt import reference as ref
+from kt.hybrid import DeferredChain, HybridMoE, PrefillCostModel, split_deferred
+from kt.testing import random_expert_weights
+
+E, K, H, I = 8, 3, 64, 48
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_expert_weights(E, H, I, seed=11)
+
+
+def _w13(gate, up):
+    return np.concatenate([gate, up], axis=1)
+
+
+def test_split_deferred_picks_lowest_weight_cpu_experts():
+    ids = torch.tensor([[0, 1, 2, 3], [4, -1, 5, 6], [7, 0, 1, 2]])
+    w = torch.tensor([[0.4, 0.1, 0.3, 0.2], [0.5, 0.9, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    cpu = torch.tensor([True, True, False, True, True, True, True, True])  # expert 2 on GPU
+    now, later = split_deferred(ids, w, cpu, 2)
+    # token 0: CPU experts 0 (.4), 1 (.1), 3 (.2) -> defer 1 and 3
+    assert now[0].tolist() == [0, -1, 2, -1] and later[0].tolist() == [-1, 1, -1, 3]
+    # token 1: the -1 slot is never deferred; lowest CPU weights .2 (5) and .3 (6)
+    assert now[1].tolist() == [4, -1, -1, -1] and later[1].tolist() == [-1, -1, 5, 6]
+    # token 2: ties break by position; expert 2 (GPU) is never deferred
+    assert now[2].tolist() == [-1, -1, 1, 2] and later[2].tolist() == [7, 0, -1, -1]
+    n0, l0 = split_deferred(ids, w, cpu, 0)
+    assert torch.equal(n0, ids) and (l0 == -1).all()
+
+
+def test_all_cpu_layer_matches_reference(weights):
+    gate, up, down = weights
+    layer = HybridMoE.from_tensors(gate, up, down, None, scheme="bf16")
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal((9, H)).astype(np.float32))
+    ids = torch.from_numpy(rng.integers(-1, E, (9, K)))
+    w = torch.rand(9, K)
+    out = layer(x, ids, w)
+    exp = ref.moe_forward(x, ids, w, _w13(gate, up), down)
+    assert ref.relative_error(out, exp) < 5e-3
+    assert layer.stats.last_path == "cpu_only"
+
+
+def test_deferral_matches_an_explicit_two_layer_reference(weights):
+    """h1 = h0 + moe0_now(h0); h2 = h1 + moe1(h1) + moe0_later(h0): the exact deferred math."""
+    gate, up, down = weights
+    gate2, up2, down2 = random_expert_weights(E, H, I, seed=12)
+    chain = DeferredChain()
+    l0 = HybridMoE.from_tensors(gate, up, down, scheme="bf16", max_deferred_experts_per_token=1,
+                                chain=chain)
+    l1 = HybridMoE.from_tensors(gate2, up2, down2, scheme="bf16", max_deferred_experts_per_token=1,
+                                chain=chain, is_last_layer=True)
+    rng = np.random.default_rng(1)
+    T = 7
+    h0 = torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32))
+    ids0 = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)]))
+    ids1 = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)]))
+    w0, w1 = torch.rand(T, K), torch.rand(T, K)
+    h1 = h0 + l0(h0, ids0, w0)
+    h2 = h1 + l1(h1, ids1, w1)
+
+    now0, later0 = split_deferred(ids0, w0, torch.ones(E, dtype=torch.bool), 1)
+    assert (later0 >= 0).sum(dim=1).tolist() == [1] * T
+    r_h1 = h0.numpy() + ref.moe_forward(h0, now0, w0, _w13(gate, up), down)
+    r_h2 = (r_h1 + ref.moe_forward(r_h1, ids1, w1, _w13(gate2, up2), down2)
+            + ref.moe_forward(h0, later0, w0, _w13(gate, up), down))
+    assert ref.relative_error(h1, r_h1) < 5e-3
+    assert ref.relative_error(h2, r_h2) < 5e-3
+    assert chain.take() is None  # the last layer deferred nothing
+    # without deferral the result differs (the math really changed)
+    full = h0.numpy() + ref.moe_forward(h0, ids0, w0, _w13(gate, up), down)
+    assert ref.relative_error(h1, full) > 1e-2
+
+
+def test_gpu_placement_without_gpu_is_a_clear_error(weights):
+    gate, up, down = weights
+    row = np.full(E, -1)
+    row[[1, 4]] = [0, 1]
+    with pytest.raises(ValueError, match="no CUDA device"):
+        HybridMoE.from_tensors(gate, up, down, row, scheme="int8")
+
+
+def test_bad_placements_and_inputs(weights):
+    gate, up, down = weights
+    layer = HybridMoE.from_tensors(gate, up, down, None, scheme="int8")
+    with pytest.raises(ValueError, match=r"\[E=8\]"):
+        layer.update_placement(np.full(5, -1))
+    with pytest.raises(ValueError, match="distinct slots"):
+        layer.update_placement(np.array([0, 0, -1, -1, -1, -1, -1, -1]))
+    with pytest.raises(ValueError, match="distinct slots"):
+        layer.update_placement(np.array([3, -1, -1, -1, -1, -1, -1, -1]))
+    x = torch.zeros(2, H)
+    with pytest.raises(ValueError, match=r"\[T, H=64\]"):
+        layer(torch.zeros(2, H + 1), torch.zeros(2, K, dtype=torch.long), torch.zeros(2, K))
+    with pytest.raises(ValueError, match="topk_ids"):
+        layer(x, torch.zeros(3, K, dtype=torch.long), torch.zeros(3, K))
+    with pytest.raises(TypeError):
+        layer(x.numpy(), torch.zeros(2, K, dtype=torch.long), torch.zeros(2, K))
+    with pytest.raises(ValueError, match="CUDA"):
+        HybridMoE.from_tensors(gate, up, down, None, scheme="int8", gpu_prefill_token_threshold=64)
+    with pytest.raises(ValueError, match="device"):
+        HybridMoE.from_tensors(gate, up, down, None, scheme="int8", device="cpu")
+
+
+def test_prefill_cost_model_threshold_is_monotone_in_pcie_bandwidth():
+    m = PrefillCostModel(h2d_bytes_per_s=25e9, cpu_bytes_per_s=50e9, cpu_flops=2e12, gpu_flops=3e14)
+    args = (8, 128, 2048, 768, 3 * 2048 * 768)
+    slow = m.threshold(*args)
+    m.h2d_bytes_per_s = 100e9
+    fast = m.threshold(*args)
+    assert fast <= slow
+    # at the threshold the GPU path is faster, one power of two below it is not
+    assert m.gpu_seconds(fast, *args) < m.cpu_seconds(fast, *args)
+    if fast > 1:
+        assert m.gpu_seconds(fast // 2, *args) >= m.cpu_seconds(fast // 2, *args)
+    m.observe_cpu(512, 8, 2048, 768, 0.05)
+    assert m.observations == 1 and m.cpu_flops == pytest.approx(6 * 2048 * 768 * 512 * 8 / 0.05)
