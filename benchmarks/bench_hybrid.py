@@ -1,0 +1,221 @@
+"""HybridMoE on the GPU machine: overlap of the CPU and GPU parts, CUDA graphs, layer-wise prefill.
+
+Run on the device (one H200 + 16 cores), from the repo root:
+    PYTHONPATH=. python3 benchmarks/bench_hybrid.py --out $OUT
+
+Sections (each independent; a failure is recorded and the script goes on):
+  correctness  HybridMoE (25 % GPU) vs the fp32 reference of the same quantised weights
+  overlap      qwen3-30b-a3b layer, INT8 CPU experts, 0/25/50/100 % of experts on the GPU,
+               T in {1, 8, 64, 512, 4096}: hybrid time vs max(CPU part alone, GPU part alone)
+  graph        a 4-layer decode step captured in a CUDA graph, replayed: identical to eager?
+  prefill      T=4096 with layer-wise GPU prefill vs the CPU path, and what "auto" picks
+Weights are random (std 1/sqrt(fan_in)); routing is uniform random, fresh per call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kt import reference as ref  # noqa: E402
+from kt.cpu_ops.moe import CPUMoE  # noqa: E402
+from kt.cpu_ops.pool import CpuPool  # noqa: E402
+from kt.hybrid import HybridMoE  # noqa: E402
+
+E, K, H, I = 128, 8, 2048, 768
+
+
+def routing(t, e, k, gen, device):
+    ids = torch.argsort(torch.rand(t, e, generator=gen), dim=1)[:, :k]
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=1)
+    return ids.to(device), w.to(device)
+
+
+def placement_row(frac, e, seed=0):
+    n = int(round(frac * e))
+    rng = np.random.default_rng(seed)
+    row = np.full(e, -1, np.int64)
+    chosen = np.sort(rng.permutation(e)[:n])  # a non-contiguous set
+    row[chosen] = np.arange(n)
+    return row
+
+
+def timed(fn, reps, warm=2):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return min(ts), statistics.median(ts)
+
+
+def section_correctness(cpu, dev, res):
+    row = placement_row(0.25, E, 1)
+    layer = HybridMoE(cpu, row, device=dev)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for t in (1, 7, 64):
+        x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16)
+        ids, w = routing(t, E, K, gen, "cpu")
+        y = layer(x.to(dev), ids.to(dev), w.to(dev)).float().cpu()
+        q13 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w13.expert(e))) for e in range(E)]
+        q2 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w2.expert(e))) for e in range(E)]
+        exp = ref.moe_forward_quantized(x.float(), ids, w, q13, q2)
+        out[t] = ref.relative_error(y, exp)
+    res["correctness_rel_err_vs_quantized_reference"] = out
+
+
+def _unpacked(p):
+    from kt.cpu_ops.packing import unpack
+
+    u = unpack(p)
+    return u.q, u.scale
+
+
+def section_overlap(cpu, dev, res, reps):
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for frac in (0.0, 0.25, 0.5, 1.0):
+        row = placement_row(frac, E, 2)
+        layer = HybridMoE(cpu, row, device=dev)
+        for t in (1, 8, 64, 512, 4096):
+            x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+            ids, w = routing(t, E, K, gen, dev)
+            hyb = timed(lambda: layer(x, ids, w), reps)
+            # CPU part alone: the same CPU experts, inputs already on the host
+            xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
+            mask = row >= 0
+            cpu_alone = timed(lambda: cpu(xc, ic, wc, gpu_mask=mask if mask.any() else None), reps)
+            gpu_alone = (0.0, 0.0)
+            if layer._gpu is not None:
+                from kt.gpu_ops import fused_moe
+
+                g = layer._gpu
+                gpu_alone = timed(lambda: fused_moe(x, ids, w, g["e2s"], g["w13"], g["w2"],
+                                                    w13_scale=g["w13_scale"], w2_scale=g["w2_scale"]), reps)
+            bound = max(cpu_alone[0], gpu_alone[0])
+            rows.append(dict(gpu_frac=frac, T=t, hybrid_min_ms=hyb[0] * 1e3, hybrid_med_ms=hyb[1] * 1e3,
+                             cpu_alone_min_ms=cpu_alone[0] * 1e3, gpu_alone_min_ms=gpu_alone[0] * 1e3,
+                             ratio_to_max=hyb[0] / bound if bound else None,
+                             target_ok=hyb[0] <= 1.15 * bound + 50e-6))
+            print(f"overlap frac={frac:.2f} T={t:5d} hybrid {hyb[0]*1e3:8.3f} ms  cpu {cpu_alone[0]*1e3:8.3f}"
+                  f"  gpu {gpu_alone[0]*1e3:8.3f}  ratio {rows[-1]['ratio_to_max']}", flush=True)
+    res["overlap"] = rows
+
+
+def section_graph(cpu, dev, res):
+    from kt._stream_bridge import GraphRunner
+    from kt.hybrid import DeferredChain
+
+    out = {}
+    for d in (0, 1):
+        chain = DeferredChain() if d else None
+        layers = [HybridMoE(cpu, placement_row(0.25, E, 10 + i), device=dev,
+                            max_deferred_experts_per_token=d, chain=chain, is_last_layer=(i == 3))
+                  for i in range(4)]
+        gen = torch.Generator().manual_seed(3)
+        routes = [routing(1, E, K, gen, dev) for _ in range(4)]
+        x_static = (torch.randn(1, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+
+        def step():
+            h = x_static
+            for layer, (ids, w) in zip(layers, routes):
+                h = h + layer(h, ids, w)
+            return h
+
+        eager = step().clone()
+        torch.cuda.synchronize()
+        runner = GraphRunner()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()  # warm on the side stream
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        with runner.capture():
+            y = step()
+        same = True
+        t0 = time.perf_counter()
+        n = 50
+        for _ in range(n):
+            runner.replay()
+            torch.cuda.synchronize()
+            same &= bool(torch.equal(y, eager))
+        per = (time.perf_counter() - t0) / n
+        eager_t = timed(step, 10)
+        out[f"deferred_{d}"] = dict(bit_identical=same, replay_ms=per * 1e3, eager_min_ms=eager_t[0] * 1e3)
+        print(f"graph d={d}: identical={same} replay {per*1e3:.3f} ms eager {eager_t[0]*1e3:.3f} ms", flush=True)
+    res["graph"] = out
+
+
+def section_prefill(cpu, dev, res, reps):
+    gen = torch.Generator().manual_seed(4)
+    t = 4096
+    x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+    ids, w = routing(t, E, K, gen, dev)
+    row = placement_row(0.25, E, 5)
+    base = HybridMoE(cpu, row, device=dev)
+    pre = HybridMoE(cpu, row, device=dev, gpu_prefill_token_threshold=1024)
+    auto = HybridMoE(cpu, row, device=dev, gpu_prefill_token_threshold="auto")
+    tb = timed(lambda: base(x, ids, w), reps)
+    tp = timed(lambda: pre(x, ids, w), reps)
+    ya, yb = auto(x, ids, w), base(x, ids, w)
+    torch.cuda.synchronize()
+    res["prefill"] = dict(T=t, hybrid_cpu_path_min_ms=tb[0] * 1e3, layerwise_gpu_min_ms=tp[0] * 1e3,
+                          speedup=tb[0] / tp[0], auto_threshold=auto.prefill_threshold_tokens(K),
+                          auto_path=auto.stats.last_path,
+                          auto_h2d_GBps=auto.cost.h2d_bytes_per_s / 1e9,
+                          rel_diff_gpu_vs_cpu_path=ref.relative_error(ya.float().cpu(), yb.float().cpu()))
+    print("prefill", res["prefill"], flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--sections", default="correctness,overlap,graph,prefill")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    res = {"device": torch.cuda.get_device_name(0), "threads": args.threads, "shape": dict(E=E, K=K, H=H, I=I),
+           "scheme": "int8", "errors": {}}
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    gate = (rng.standard_normal((E, I, H), dtype=np.float32) / np.sqrt(H))
+    up = (rng.standard_normal((E, I, H), dtype=np.float32) / np.sqrt(H))
+    down = (rng.standard_normal((E, H, I), dtype=np.float32) / np.sqrt(I))
+    pool = CpuPool(args.threads)
+    cpu = CPUMoE.from_tensors(gate, up, down, scheme="int8", pool=pool)
+    del gate, up, down
+    res["setup_s"] = time.perf_counter() - t0
+    print(f"setup {res['setup_s']:.1f} s, {args.threads} CPU threads", flush=True)
+    for name in args.sections.split(","):
+        fn = {"correctness": lambda: section_correctness(cpu, dev, res),
+              "overlap": lambda: section_overlap(cpu, dev, res, args.reps),
+              "graph": lambda: section_graph(cpu, dev, res),
+              "prefill": lambda: section_prefill(cpu, dev, res, max(3, args.reps // 3))}[name]
+        try:
+            fn()
+        except Exception:
+            res["errors"][name] = traceback.format_exc()
+            print(res["errors"][name], flush=True)
+        with open(os.path.join(args.out, "hybrid.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    print(json.dumps({k: v for k, v in res.items() if k != "errors"}, default=str)[:3000])
+
+
+if __name__ == "__main__":
+    main()
