@@ -1,0 +1,515 @@
+#!/usr/bin/env python3
+"""kt.gpu_ops on a GPU: correctness, speed against the roofline, tuned configs, stream/CPU sync cost.
+
+Run on the device machine (H200):
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_gpu.py --out $OUT 2>&1 | tee $OUT/gpu.log
+Writes $OUT/gpu.json (all figures) and $OUT/h200.json (the tuned config table for kt/gpu_ops/configs/).
+`--dry-run` runs the same flow with tiny shapes on the CPU under the Triton interpreter (no timings).
+
+Parts, in order (gpu.json is rewritten after each, so a late failure loses nothing earlier):
+1. ceilings: HBM bandwidth (device-to-device copy, bytes read + written) and the bf16 matmul rate
+   (torch.matmul 8192^3 on random data), both medians of triton.testing.do_bench.
+2. correctness of fused_moe vs an fp32 GPU reference (TF32 off) for every T, shape and dtype, and vs
+   kt.reference.moe_forward on a subset of tokens; no host sync (torch sync debug mode "error");
+   CUDA-graph replay bit-identical to eager.
+3. speed: each candidate config timed as a CUDA-graph replay (L2 flushed by do_bench between runs);
+   T <= 64 as a fraction of HBM bandwidth over the hot-expert weight bytes touched, T >= 512 as a
+   fraction of the bf16 matmul rate over the GEMM FLOPs; the best correct config per T goes to the table.
+4. stream_sync: a step (D2H to pinned, "start", GPU op, "wait done", H2D, add) with a Numba nogil
+   worker thread, eager and captured in a CUDA graph, replayed 220 times, memop vs host-function,
+   against the same graph without the CPU part.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+T_LIST = (1, 7, 64, 512, 4096)
+SHAPES = {
+    # name: E experts, K top-k, H hidden, I intermediate, S GPU slots (hot experts)
+    "qwen3-30b-a3b": dict(E=128, K=8, H=2048, I=768, S=32),
+    "mixtral-8x7b": dict(E=8, K=2, H=4096, I=14336, S=4),
+}
+DRY_SHAPES = {"tiny": dict(E=8, K=2, H=64, I=32, S=4)}
+
+# (block_m, block_n, block_k, group_m, num_warps, num_stages)
+SMALL = [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 16, 256, 1, 4, 4), (16, 32, 256, 1, 4, 3),
+         (16, 64, 64, 1, 4, 5), (16, 128, 128, 1, 4, 3)]
+MID = [(32, 64, 128, 4, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (32, 128, 64, 4, 4, 4),
+       (64, 64, 128, 8, 4, 3), (16, 64, 128, 1, 4, 4)]
+LARGE = [(64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4),
+         (64, 128, 128, 8, 8, 3), (128, 64, 128, 8, 8, 3)]
+CANDIDATES = {1: SMALL, 7: SMALL, 64: SMALL + [(32, 64, 128, 4, 4, 4)], 512: MID, 4096: LARGE}
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+class Results:
+    def __init__(self, out_dir):
+        self.path = os.path.join(out_dir, "gpu.json") if out_dir else None
+        self.data = {"env": {}, "ceilings": {}, "correctness": [], "speed": [], "stream_sync": {}, "errors": []}
+
+    def save(self):
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(self.data, f, indent=1, default=str)
+
+
+# ----------------------------------------------------------------------------- data
+
+def make_weights(torch, sh, dtype, dev, seed):
+    """w13 [S, 2I, H], w2 [S, H, I] with std 1/sqrt(fan_in); int8: per-row q and scales (as
+    kt.reference.quantize: scale = amax/127, q = rint(w * (1/scale)) clipped to +-127)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    S, H, I = sh["S"], sh["H"], sh["I"]
+    w13 = (torch.randn(S, 2 * I, H, device=dev, generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(S, H, I, device=dev, generator=g) / I ** 0.5).to(torch.bfloat16)
+    if dtype == "bf16":
+        return dict(w13=w13, w2=w2), (w13.float(), w2.float())
+
+    def q(w):
+        wf = w.float()
+        scale = (wf.abs().amax(dim=-1) / 127.0).float()
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        qq = torch.clamp(torch.round(wf * inv[..., None]), -127, 127).to(torch.int8)
+        return qq, scale
+
+    q13, s13 = q(w13)
+    q2, s2 = q(w2)
+    return (dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2),
+            (q13.float() * s13[..., None], q2.float() * s2[..., None]))
+
+
+def make_routing(torch, sh, t, e2s, dev, seed):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    scores = torch.rand(t, sh["E"], device=dev, generator=g)
+    top, ids = scores.topk(sh["K"], dim=1)
+    w = torch.softmax(top * 4, dim=1).float()
+    if t <= 7:  # make sure at least one GPU expert is routed, so there is something to measure
+        gpu_experts = torch.nonzero(e2s >= 0).flatten()
+        if not bool((e2s[ids] >= 0).any()):
+            row = set(ids[0].tolist())
+            pick = next(int(e) for e in gpu_experts.tolist() if int(e) not in row)
+            ids[0, 0] = pick
+    return ids.to(torch.int64), w
+
+
+def make_e2s(torch, sh, dev, seed):
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.randperm(sh["E"], generator=g)[:sh["S"]]
+    e2s = torch.full((sh["E"],), -1, dtype=torch.int32)
+    e2s[experts] = torch.randperm(sh["S"], generator=g).to(torch.int32)
+    return e2s.to(dev)
+
+
+def ref_gpu(torch, x, ids, w, e2s, w13f, w2f):
+    """The spec in fp32 on the GPU (TF32 off): sum over GPU experts of w * w2 @ (silu(gate x) * up x)."""
+    t, h = x.shape
+    inter = w13f.shape[1] // 2
+    slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    for s in range(w13f.shape[0]):
+        tok, kk = torch.nonzero(slots == s, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = x[tok].float() @ w13f[s].T
+        hh = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, tok, (hh @ w2f[s].T) * w[tok, kk][:, None])
+    return out
+
+
+def ref_kt_subset(torch, R, x, ids, w, e2s, w13f, w2f, rows):
+    """kt.reference.moe_forward on token rows `rows`, with only the GPU slots those rows touch."""
+    xs, idss, ws = x[rows], ids[rows], w[rows]
+    slots = torch.where(idss >= 0, e2s[idss.clamp(min=0)], -1)
+    touched = sorted(set(int(s) for s in slots.flatten().tolist() if s >= 0))
+    remap = {s: j for j, s in enumerate(touched)}
+    cids = slots.cpu().apply_(lambda s: remap.get(s, -1)) if touched else slots.cpu()
+    w13c = w13f[touched].cpu().numpy() if touched else w13f[:0].cpu().numpy()
+    w2c = w2f[touched].cpu().numpy() if touched else w2f[:0].cpu().numpy()
+    if not touched:
+        return torch.zeros(len(rows), x.shape[1])
+    return torch.from_numpy(R.moe_forward(xs.float().cpu(), cids, ws.cpu(), w13c, w2c))
+
+
+# ----------------------------------------------------------------------------- parts
+
+def part_ceilings(torch, do_bench, res):
+    n_bytes = 4 << 30
+    a = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=20, rep=200, return_mode="median")
+    bw = 2 * n_bytes / (ms * 1e-3)
+    del a, b
+    m = 8192
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, m, device="cuda", generator=g, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", generator=g, dtype=torch.bfloat16)
+    ms2 = do_bench(lambda: torch.matmul(a, b), warmup=50, rep=300, return_mode="median")
+    peak = 2 * m ** 3 / (ms2 * 1e-3)
+    del a, b
+    torch.cuda.empty_cache()
+    res.data["ceilings"] = dict(hbm_bytes_per_s=bw, copy_ms=ms, copy_bytes=2 * n_bytes,
+                                bf16_flops_per_s=peak, matmul_ms=ms2, matmul_shape=[m, m, m])
+    log(f"ceilings: HBM {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+
+
+def graph_of(torch, fn):
+    """Warm up fn on a side stream, capture one call in a CUDA graph; returns (graph, its output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
+    from kt.gpu_ops import MoEConfig, fused_moe, pick_config
+    from kt.gpu_ops.moe import align_by_slot
+
+    dev = "cpu" if dry else "cuda"
+    table = {}
+    for name, sh in shapes.items():
+        e2s = make_e2s(torch, sh, dev, 1)
+        for dtype in ("bf16", "int8"):
+            wts, (w13f, w2f) = make_weights(torch, sh, dtype, dev, 2)
+            w_bytes_per_expert = sum(v[0].numel() * v.element_size() for v in wts.values())
+            for t in (T_LIST if not dry else (1, 7, 33)):
+                key = f"{name} {dtype} T={t}"
+                gx = torch.Generator(device=dev).manual_seed(3 + t)
+                x = torch.randn(t, sh["H"], device=dev, generator=gx).to(torch.bfloat16)
+                ids, w = make_routing(torch, sh, t, e2s, dev, 4 + t)
+                slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
+                touched = int(torch.unique(slots[slots >= 0]).numel())
+                gpu_rows = int((slots >= 0).sum())
+                entry = dict(shape=name, dtype=dtype, T=t, touched_slots=touched, gpu_token_slots=gpu_rows,
+                             **sh)
+                # ---- correctness
+                try:
+                    ref = ref_gpu(torch, x, ids, w, e2s, w13f, w2f)
+                    out = fused_moe(x, ids, w, e2s, **wts)
+                    err = R.relative_error(out, ref)
+                    finite = bool(torch.isfinite(out).all())
+                    entry.update(rel_err_vs_fp32_gpu_ref=err, finite=finite)
+                    n_sub = min(t, 16)
+                    if (name != "mixtral-8x7b" or t == 7) and (t in (7, 4096, 33) or dry):
+                        rows = torch.randperm(t, generator=torch.Generator().manual_seed(t))[:n_sub].to(dev)
+                        kref = ref_kt_subset(torch, R, x, ids, w, e2s, w13f, w2f, rows)
+                        entry["gpu_ref_vs_kt_reference"] = R.relative_error(ref[rows].cpu(), kref)
+                        entry["rel_err_vs_kt_reference_subset"] = R.relative_error(out[rows].float().cpu(), kref)
+                    if not dry:
+                        torch.cuda.synchronize()
+                        torch.cuda.set_sync_debug_mode("error")
+                        try:
+                            fused_moe(x, ids, w, e2s, **wts)
+                            entry["host_sync_free"] = True
+                        except RuntimeError as e:
+                            entry["host_sync_free"] = False
+                            entry["host_sync_error"] = str(e)[:300]
+                        finally:
+                            torch.cuda.set_sync_debug_mode("default")
+                        g, gout = graph_of(torch, lambda: fused_moe(x, ids, w, e2s, **wts))
+                        g.replay()
+                        torch.cuda.synchronize()
+                        entry["graph_bit_identical_to_eager"] = bool(torch.equal(gout, out))
+                        del g
+                    ok = finite and err <= 1e-2
+                    entry["correct"] = ok
+                    log(f"{key}: rel err {err:.2e} ({'ok' if ok else 'FAIL'}) touched {touched} slots, "
+                        f"{gpu_rows} token-slots; sync-free {entry.get('host_sync_free')}; "
+                        f"graph==eager {entry.get('graph_bit_identical_to_eager')}; "
+                        f"vs kt.reference {entry.get('rel_err_vs_kt_reference_subset', '-')}")
+                except Exception as e:
+                    entry["correct"] = False
+                    entry["error"] = repr(e)[:500]
+                    res.data["errors"].append(f"{key}: {traceback.format_exc()[-1500:]}")
+                    log(f"{key}: ERROR {e!r}")
+                res.data["correctness"].append(dict(entry))
+                res.save()
+                if dry or not entry.get("correct"):
+                    continue
+                # ---- speed
+                weight_bytes = touched * w_bytes_per_expert
+                flops = 2 * gpu_rows * 3 * sh["H"] * sh["I"]
+                heur = pick_config(t, sh["K"], sh["S"], sh["H"], sh["I"], dtype)
+                cands = [MoEConfig(*c) for c in CANDIDATES[t]]
+                if heur not in cands:
+                    cands.append(heur)
+                timings = []
+                for cfg in cands:
+                    if time.time() > deadline:
+                        log("  (time budget reached: remaining candidates skipped)")
+                        break
+                    try:
+                        o = fused_moe(x, ids, w, e2s, **wts, config=cfg)
+                        e_c = R.relative_error(o, ref)
+                        g, _ = graph_of(torch, lambda: fused_moe(x, ids, w, e2s, **wts, config=cfg))
+                        ms = do_bench(g.replay, warmup=5, rep=40, return_mode="median")
+                        del g
+                        timings.append(dict(config=cfg.to_dict(), us=ms * 1e3, rel_err=e_c, ok=e_c <= 1e-2))
+                    except Exception as e:
+                        timings.append(dict(config=cfg.to_dict(), error=repr(e)[:300]))
+                good = [r for r in timings if r.get("ok")]
+                sp = dict(shape=name, dtype=dtype, T=t, touched_slots=touched, gpu_token_slots=gpu_rows,
+                          weight_bytes_touched=weight_bytes, gemm_flops=flops, candidates=timings,
+                          heuristic=heur.to_dict())
+                hr = [r for r in timings if r.get("config") == heur.to_dict() and r.get("ok")]
+                if hr:
+                    sp["heuristic_us"] = hr[0]["us"]
+                if good:
+                    best = min(good, key=lambda r: r["us"])
+                    sp["best"] = best
+                    sec = best["us"] * 1e-6
+                    c = res.data["ceilings"]
+                    sp["hbm_fraction"] = weight_bytes / sec / c["hbm_bytes_per_s"]
+                    sp["bf16_peak_fraction"] = flops / sec / c["bf16_flops_per_s"]
+                    table.setdefault(f"H{sh['H']}_I{sh['I']}_{dtype}", {})[str(t)] = best["config"]
+                    # alignment alone (the three small kernels), for the breakdown
+                    try:
+                        bm = best["config"]["block_m"]
+                        g, _ = graph_of(torch, lambda: align_by_slot(ids, e2s, sh["S"], bm))
+                        sp["align_us"] = do_bench(g.replay, warmup=5, rep=20, return_mode="median") * 1e3
+                        del g
+                    except Exception as e:
+                        sp["align_error"] = repr(e)[:300]
+                    log(f"  speed: best {best['us']:.1f} us {best['config']} (heuristic "
+                        f"{sp.get('heuristic_us', float('nan')):.1f} us); HBM {sp['hbm_fraction'] * 100:.0f} % "
+                        f"of {weight_bytes / 1e6:.1f} MB; bf16 peak {sp['bf16_peak_fraction'] * 100:.1f} %; "
+                        f"align {sp.get('align_us', float('nan')):.1f} us")
+                res.data["speed"].append(sp)
+                res.save()
+            del wts, w13f, w2f
+            if not dry:
+                torch.cuda.empty_cache()
+    res.data["tuned_table"] = table
+    return table
+
+
+# ----------------------------------------------------------------------------- stream sync
+
+_OPS = {}
+
+
+def _worker_fn():
+    """A Numba nogil worker: wait "start", out = in * 3 + 1 on the pinned buffers, set "done"."""
+    if "worker" in _OPS:
+        return _OPS["worker"]
+    import numpy as np
+    from numba import njit
+
+    from kt.gpu_ops.stream_sync import _numba_ops
+
+    ops = _numba_ops()
+    spin, store, load = ops["spin_wait_clear"], ops["store_flag"], ops["load_flag"]
+
+    @njit(nogil=True)
+    def worker(start, done, stop, inp, out):
+        n = 0
+        while True:
+            if spin(start, 100000):
+                for j in range(inp.size):
+                    out[j] = inp[j] * np.float32(3.0) + np.float32(1.0)
+                store(done, 1)
+                n += 1
+            elif load(stop) == 1:
+                return n
+
+    _OPS["worker"] = worker
+    return worker
+
+
+def part_stream_sync(torch, res, n_replays=220, warm=20):
+    import numpy as np
+
+    from kt.gpu_ops import CpuSignal
+
+    worker = _worker_fn()
+    dev = "cuda"
+    n = 4096
+    x = torch.zeros(n, device=dev)
+    pin_in = torch.zeros(n, pin_memory=True)
+    pin_out = torch.zeros(n, pin_memory=True)
+    cbuf = torch.zeros(n, device=dev)
+    stop = np.zeros(16, np.int32)
+    xs = torch.randn(n_replays, n, device=dev)
+    expected = xs * 2.0 + (xs * 3.0 + 1.0)
+    out = {}
+
+    def step(sig):
+        if sig is None:
+            return x * 2.0 + cbuf
+        pin_in.copy_(x, non_blocking=True)
+        sig.signal_start()
+        y = x * 2.0
+        sig.wait_done()
+        cbuf.copy_(pin_out, non_blocking=True)
+        return y + cbuf
+
+    def run_mode(mode):
+        sig = None if mode == "none" else CpuSignal(mode)
+        r = dict(mode=sig.mode if sig else "none (same graph without the CPU part)")
+        th = None
+        stop[0] = 0
+        counts = []
+        if sig:
+            th = threading.Thread(target=lambda: counts.append(worker(
+                sig.start_address, sig.done_address, stop.ctypes.data, pin_in.numpy(), pin_out.numpy())))
+            th.start()
+        finished = threading.Event()
+
+        def watchdog():
+            if not finished.wait(60):
+                r["watchdog"] = "fired: releasing the stream"
+                while not finished.is_set():
+                    if sig:
+                        sig.set_done()
+                    time.sleep(0.001)
+        wd = threading.Thread(target=watchdog, daemon=True)
+        wd.start()
+        try:
+            # eager, pipelined
+            ok = True
+            cb0 = cbuf.clone()
+            res_e = torch.empty_like(xs)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for i in range(n_replays):
+                if i == warm:
+                    e0.record()
+                x.copy_(xs[i])
+                res_e[i].copy_(step(sig))
+            e1.record()
+            torch.cuda.synchronize()
+            r["eager_us_per_step"] = e0.elapsed_time(e1) * 1e3 / (n_replays - warm)
+            if sig:
+                ok &= bool(torch.equal(res_e, expected))
+                r["eager_correct"] = bool(torch.equal(res_e, expected))
+                r["eager_max_abs_err"] = float((res_e - expected).abs().max())
+            # graph
+            cbuf.copy_(cb0)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                gout = step(sig)
+            res_g = torch.empty_like(xs)
+            for i in range(n_replays):
+                if i == warm:
+                    e0.record()
+                x.copy_(xs[i])
+                g.replay()
+                res_g[i].copy_(gout)
+            e1.record()
+            torch.cuda.synchronize()
+            r["graph_us_per_step"] = e0.elapsed_time(e1) * 1e3 / (n_replays - warm)
+            if sig:
+                r["graph_correct"] = bool(torch.equal(res_g, expected))
+                r["graph_max_abs_err"] = float((res_g - expected).abs().max())
+            # latency: one replay at a time, synchronised
+            t0 = time.perf_counter()
+            for i in range(50):
+                g.replay()
+                torch.cuda.synchronize()
+            r["graph_latency_us_synced"] = (time.perf_counter() - t0) * 1e6 / 50
+            r["replays"] = n_replays
+            del g
+        finally:
+            finished.set()
+            stop[0] = 1
+            if th:
+                th.join(10)
+                r["worker_rounds"] = counts[0] if counts else None
+        return r
+
+    for mode in ("none", "memop", "hostfunc"):
+        try:
+            out[mode] = run_mode(mode)
+            log(f"stream_sync {mode}: {out[mode]}")
+        except Exception as e:
+            out[mode] = dict(error=repr(e)[:500])
+            res.data["errors"].append(f"stream_sync {mode}: {traceback.format_exc()[-1500:]}")
+            log(f"stream_sync {mode}: ERROR {e!r}")
+        res.data["stream_sync"] = out
+        res.save()
+
+
+# ----------------------------------------------------------------------------- main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="folder for gpu.json, h200.json")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="stop tuning after this many seconds")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: ceilings,moe,sync")
+    args = ap.parse_args()
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    import torch
+
+    from kt import reference as R
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    res = Results(args.out)
+    import triton
+
+    res.data["env"] = dict(torch=torch.__version__, triton=triton.__version__, python=sys.version.split()[0],
+                           device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                           cpus=os.cpu_count())
+    log("env", res.data["env"])
+    skip = set(filter(None, args.skip.split(",")))
+    if args.dry_run:
+        part_moe(torch, R, res, DRY_SHAPES, True, None, t_start + 1e9)
+        res.save()
+        bad = [c for c in res.data["correctness"] if not c.get("correct")]
+        log(f"dry run: {len(res.data['correctness'])} cases, {len(bad)} failed")
+        return 1 if bad else 0
+    from triton.testing import do_bench
+
+    if "ceilings" not in skip:
+        part_ceilings(torch, do_bench, res)
+        res.save()
+    if "moe" not in skip:
+        table = part_moe(torch, R, res, SHAPES, False, do_bench, t_start + args.budget_s)
+        res.save()
+        if args.out:
+            table = dict(table)
+            table["_comment"] = ("Tuned on an H200 by benchmarks/bench_gpu.py (S=32 slots for qwen3-30b-a3b, "
+                                 "S=4 for mixtral); key H{H}_I{I}_{weight dtype}, then T.")
+            with open(os.path.join(args.out, "h200.json"), "w") as f:
+                json.dump(table, f, indent=1, sort_keys=True)
+    if "sync" not in skip:
+        part_stream_sync(torch, res)
+    res.data["wall_s"] = time.time() - t_start
+    res.save()
+    # short table last
+    print("\nshape            dtype T     err       best_us  HBM%   peak%  config")
+    for sp in res.data["speed"]:
+        b = sp.get("best", {})
+        c = b.get("config", {})
+        cfg = "/".join(str(c.get(k)) for k in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages"))
+        err = next((x.get("rel_err_vs_fp32_gpu_ref") for x in res.data["correctness"]
+                    if (x["shape"], x["dtype"], x["T"]) == (sp["shape"], sp["dtype"], sp["T"])), None)
+        print(f"{sp['shape']:16s} {sp['dtype']:5s} {sp['T']:<5d} {err or float('nan'):.2e} "
+              f"{b.get('us', float('nan')):8.1f} {sp.get('hbm_fraction', float('nan')) * 100:5.1f} "
+              f"{sp.get('bf16_peak_fraction', float('nan')) * 100:6.1f}  {cfg}")
+    for k, v in res.data["stream_sync"].items():
+        print(f"sync {k:9s}: graph {v.get('graph_us_per_step', float('nan')):.1f} us/step, eager "
+              f"{v.get('eager_us_per_step', float('nan')):.1f}, correct {v.get('graph_correct')}")
+    print(f"errors: {len(res.data['errors'])}; wall {res.data['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
