@@ -103,7 +103,7 @@ class DynamicPlacer:
     """
 
     def __init__(self, stats_or_shape, budget=None, *, initial: Placement | None = None,
-                 strategy: str | None = None, every_n_tokens: int = 1024, drift_threshold: float = 0.02,
+                 strategy: str | None = None, every_n_tokens: int = 256, drift_threshold: float = 0.02,
                  halflife_tokens: float | None = None, hysteresis: float = 0.05, weighted: bool = False,
                  expert_bytes: int | None = None, reserve_bytes: int | str = 0, moe_layers=None,
                  seed: int = 42):

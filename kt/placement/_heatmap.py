@@ -57,9 +57,11 @@ def render_heatmap(placement: Placement, path: str | os.PathLike, counts=None, *
         vmin = max(float(pos.min()) if pos.size else 1e-4, 1e-5)
         vmax = max(float(freq.max()), vmin * 10)
         shown = np.ma.masked_less_equal(freq, 0)
-        im = ax.imshow(shown, aspect="auto", cmap="magma", norm=LogNorm(vmin=vmin, vmax=vmax),
+        from matplotlib import colormaps
+
+        cmap = colormaps["magma"].with_extremes(bad="#dddddd")
+        im = ax.imshow(shown, aspect="auto", cmap=cmap, norm=LogNorm(vmin=vmin, vmax=vmax),
                        interpolation="nearest", extent=extent)
-        im.cmap.set_bad("#dddddd")
         cb = fig.colorbar(im, cax=cax)
         cb.set_label("share of the layer's routed token-slots")
         served = (freq * mask).sum(axis=1)

@@ -372,11 +372,13 @@ def _torch_load(path: Path, trust_pickle: bool):
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except Exception as exc:
-        if not trust_pickle and "weights_only" in str(exc):
+        msg = str(exc)
+        if not trust_pickle and "Unsupported global" in msg:
             raise ValueError(
                 f"{path}: this .pt holds Python objects that torch's safe loader refuses; if you trust the "
                 f"file, load it with trust_pickle=True (kt placement: --trust-pickle)") from None
-        raise ValueError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
+        detail = msg.strip().splitlines()[-1] if msg.strip() else ""
+        raise ValueError(f"{path}: cannot read as a torch file ({type(exc).__name__}: {detail[:200]})") from None
 
 
 def load_counts(path: str | os.PathLike, *, trust_pickle: bool = False) -> np.ndarray:
