@@ -206,8 +206,6 @@ def _plan(args) -> int:
 # ---------------------------------------------------------------------------- show
 
 def _summary(p, counts) -> dict:
-    import numpy as np
-
     from kt.placement import expected_hit_rate
 
     c = p.gpu_counts()
@@ -222,7 +220,7 @@ def _summary(p, counts) -> dict:
                "experts": [int(e) for e in p.experts_in_slots(l) if e >= 0]}
         if counts is not None:
             tot = counts[l].sum()
-            row["hit_rate"] = float((counts[l] * p.gpu_mask[l]).sum() / tot) if tot > 0 else float(np.nan)
+            row["hit_rate"] = float((counts[l] * p.gpu_mask[l]).sum() / tot) if tot > 0 else None
         d["layers"].append(row)
     return d
 
@@ -252,7 +250,8 @@ def _show(args) -> int:
         for row in d["layers"]:
             ex = row["experts"]
             ex_s = " ".join(map(str, ex[:16])) + (f" ... (+{len(ex) - 16})" if len(ex) > 16 else "")
-            hit = f"  {100 * row['hit_rate']:5.1f}" if counts is not None else ""
+            hit = "" if counts is None else (f"  {100 * row['hit_rate']:5.1f}" if row["hit_rate"] is not None
+                                             else "      -")
             print(f"{row['layer']:5d}  {row['gpu_experts']:3d}  {row['slots']:5d}{hit}  {ex_s}")
     if args.png:
         out = render_heatmap(p, args.png, counts)

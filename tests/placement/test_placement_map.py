@@ -131,3 +131,14 @@ def test_load_rejects_other_models_and_bad_files(tmp_path):
     bad.write_text(json.dumps(d))
     with pytest.raises(ValueError, match="version 99"):
         Placement.load(bad)
+
+
+def test_import_pulls_in_no_optional_dependency():
+    """kt.placement is numpy-only at import: torch and matplotlib load only when used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kt.placement; "
+            "print([m for m in ('torch', 'matplotlib', 'numba', 'triton') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
