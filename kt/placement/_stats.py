@@ -167,6 +167,11 @@ class ExpertStats:
 
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise TypeError(f"topk_ids: expected an integer dtype, found {ids.dtype}")
+        if w is not None and not _is_torch(w):
+            w = np.asarray(w)
+            if not np.issubdtype(w.dtype, np.floating):
+                raise TypeError(f"topk_weights: expected a float dtype, found {w.dtype}")
+            w = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float64))
         T = self._check_ids_shape(ids.shape, None if w is None else w.shape)
         if w is not None and not w.is_floating_point():
             raise TypeError(f"topk_weights: expected a float dtype, found {w.dtype}")
@@ -175,7 +180,7 @@ class ExpertStats:
         # map -1 to column E and anything else out of range to column E+1: no data-dependent sizes
         idx = torch.where((idx >= 0) & (idx < E), idx,
                           torch.where(idx == -1, torch.full_like(idx, E), torch.full_like(idx, E + 1)))
-        src = (w.reshape(-1).to(torch.float64) if w is not None
+        src = (w.reshape(-1).to(device=idx.device, dtype=torch.float64) if w is not None
                else torch.ones(idx.shape, dtype=torch.float64, device=idx.device))
         key = str(ids.device)
         with self._lock:

@@ -68,6 +68,14 @@ def test_device_path_matches_numpy_path():
     assert dev._host.sum() == 0 and len(dev._dev) == 1  # accumulated in the "device" buffer only
     np.testing.assert_allclose(dev.counts, ref.counts, rtol=1e-12, atol=0)
     assert dev.tokens.tolist() == ref.tokens.tolist()
+    # weights given as numpy (or on another device) next to device ids are moved to the ids' device
+    mixed = ExpertStats(1, E, weighted=True)
+    ids = rng.integers(0, E, size=(4, 2))
+    w = rng.random((4, 2))
+    mixed._record_torch(0, torch.from_numpy(ids), w)
+    np.testing.assert_allclose(mixed.counts[0], _bincount_ref(ids, E, w), rtol=1e-12)
+    with pytest.raises(TypeError, match="float dtype"):
+        mixed._record_torch(0, torch.from_numpy(ids), ids)
 
 
 def test_device_path_reports_bad_ids_when_read():
