@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `kt placement show ... | head`
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except (ValueError, FileNotFoundError, RuntimeError, NotImplementedError) as exc:
         print(f"kt {args.command}: error: {exc}", file=sys.stderr)
         return 1
