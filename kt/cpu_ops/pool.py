@@ -537,9 +537,14 @@ class CpuPool:
         k = self._kinds.get(id(job))
         if k is None:
             k = len(self._kinds) + 1
+            loop = make_worker_loop(job)
+            st = self._state
+            # compile here, so that a job that does not compile fails in the submitter's thread;
+            # with zero spins and a kind no job has, the loop returns at once
+            loop(st.ctrl, st.jctrl, st.desc, st.nthreads, _load_gil(st.ctrl, _SEQ), 0, -1)
             self._kinds[id(job)] = k
             self._kind_keep.append(job)
-            self._state.loops[k] = make_worker_loop(job)
+            st.loops[k] = loop
         return k
 
     def begin(self, jctrl_words: int = JOB_FREE) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,492 @@
+"""The ISA-agnostic MoE expert driver (jitted code only; the Python API is in moe.py).
+
+One job computes, for tokens [0, T) of x [T, H]:
+    out[t] (+)= sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = ids[t,k] on the CPU.
+It runs on every participant of a CpuPool job, in chunks of at most C tokens, each chunk in six
+phases separated by task-counting barriers (a phase ends when all its tasks are done, whoever ran
+them, so threads may join late):
+    0 plan      (1 task)       bucket the chunk's (token, slot) pairs by expert -> rows of the
+                               gathered buffers; list the (expert, row-block range) tasks
+    1 quantise  (token blocks) x -> int8 + per-token scale (or bf16), once per token, copied to
+                               each of the token's expert rows
+    2 gate+up   (dynamic)      gu[rows of e] = xq[rows of e] @ w13[e]^T   [T_e, 2I] fp32
+    3 act       (row blocks)   h = silu(gate) * up, requantised per row (or bf16-rounded)
+    4 down      (dynamic)      y[rows of e] = hq[rows of e] @ w2[e]^T     [T_e, H] fp32
+    5 combine   (token blocks) out[t] = (out[t] if incremental) + sum_k w[t,k] * y[row(t,k)]
+Tasks of phases 2 and 4 are (expert, row-block range) pairs, biggest experts first; their size is
+a pure function of the work and the thread count (``_blocks_per_task``): in decode each expert's
+rows are split over the threads, in prefill whole experts are handed out dynamically.
+
+The GEMM micro-kernels (kt/cpu_ops/README.md contract) reach this code as closure constants of
+``make_moe_job`` (one compiled job per scheme, kernel pair and x/out dtype), never as globals.
+Arrays reach the job through an int64 descriptor of raw addresses and shapes (``desc``), so the
+pool's worker loop never needs the GIL.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, njit, types
+from numba.extending import intrinsic, overload
+
+from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, _sched_yield,
+                   atomic_add, atomic_load, atomic_store, cpu_pause)
+
+SCHEME_INT8, SCHEME_INT4, SCHEME_BF16 = 0, 1, 2
+
+# ----------------------------------------------------------------------------- descriptor layout
+
+SLOT = 8  # words per array slot: address, then up to 5 dims
+A_X, A_OUT, A_IDS, A_TW, A_MASK = 0, 1, 2, 3, 4
+A_W13D, A_W13S, A_W13W, A_W2D, A_W2S, A_W2W = 5, 6, 7, 8, 9, 10
+A_POS, A_OFFS, A_ORDER, A_T13, A_T2 = 11, 12, 13, 14, 15
+A_XG, A_XS, A_GU, A_HQ, A_HS, A_Y, A_ACC = 16, 17, 18, 19, 20, 21, 22
+N_SLOTS = 23
+S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 200, 201, 202, 203, 204, 205, 206, 207
+S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 208, 209, 210, 211, 212, 213
+
+PHASES = 6
+PHASE_WORDS = 3 * CTRL_STRIDE  # claim, done, ntasks: one line each
+TOKEN_BLOCK = 8   # tokens per quantise / combine task
+ROW_BLOCK = 8     # gathered rows per activation task
+TASKS_PER_THREAD = 4
+
+
+def jctrl_words(nchunks: int) -> int:
+    """Control words a job over ``nchunks`` chunks needs."""
+    return JOB_FREE + nchunks * PHASES * PHASE_WORDS
+
+
+# ----------------------------------------------------------------------------- scalar helpers
+
+@intrinsic
+def _ptr(typingctx, addr, dt):
+    """int address -> CPointer(dtype) (dt: a numpy scalar class such as np.float32)."""
+    if not isinstance(addr, types.Integer) or not isinstance(dt, types.NumberClass):
+        return None
+    pty = types.CPointer(dt.instance_type)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(pty))
+
+    return pty(addr, dt), codegen
+
+
+@intrinsic
+def _u32_as_f32(typingctx, v):
+    """The low 32 bits of an integer, reinterpreted as fp32."""
+    if not isinstance(v, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        from llvmlite import ir
+
+        a = args[0]
+        if a.type.width > 32:
+            a = builder.trunc(a, ir.IntType(32))
+        elif a.type.width < 32:
+            a = builder.zext(a, ir.IntType(32))
+        return builder.bitcast(a, context.get_value_type(types.float32))
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def _f32_as_u32(typingctx, v):
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(v), codegen
+
+
+@njit(nogil=True, inline="always")
+def bf16_bits_to_f32(b):
+    return _u32_as_f32(np.uint32(b) << np.uint32(16))
+
+
+@njit(nogil=True, inline="always")
+def f32_to_bf16_bits(v):
+    """Round to nearest even, NaN -> 0x7FC0 (exactly reference.f32_to_bf16_bits)."""
+    if v != v:
+        return np.uint16(0x7FC0)
+    u = _f32_as_u32(v)
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+def _to_f32(v):  # pragma: no cover - replaced by the overload in jitted code
+    raise NotImplementedError
+
+
+@overload(_to_f32, inline="always")
+def _to_f32_impl(v):
+    if v == types.float32:
+        return lambda v: v
+    if v == types.uint16:
+        return lambda v: bf16_bits_to_f32(v)
+    return None
+
+
+def _from_f32(v, like):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_from_f32, inline="always")
+def _from_f32_impl(v, like):
+    if like == types.float32:
+        return lambda v, like: v
+    if like == types.uint16:
+        return lambda v, like: f32_to_bf16_bits(v)
+    return None
+
+
+@njit(nogil=True)
+def _arr1(desc, slot, dt):
+    o = slot * SLOT
+    return carray(_ptr(desc[o], dt), (desc[o + 1],))
+
+
+@njit(nogil=True)
+def _arr2(desc, slot, dt):
+    o = slot * SLOT
+    return carray(_ptr(desc[o], dt), (desc[o + 1], desc[o + 2]))
+
+
+@njit(nogil=True)
+def _arr4(desc, slot, dt):
+    o = slot * SLOT
+    return carray(_ptr(desc[o], dt), (desc[o + 1], desc[o + 2], desc[o + 3], desc[o + 4]))
+
+
+@njit(nogil=True)
+def _arr5(desc, slot, dt):
+    o = slot * SLOT
+    return carray(_ptr(desc[o], dt),
+                  (desc[o + 1], desc[o + 2], desc[o + 3], desc[o + 4], desc[o + 5]))
+
+
+@njit(nogil=True, inline="always")
+def _rows(a, r0, r1, dt):
+    """a[r0:r1] of a C-contiguous 2-D array, typed C-contiguous (kernels get 'C' layouts)."""
+    return carray(_ptr(a.ctypes.data + r0 * a.shape[1] * a.itemsize, dt), (r1 - r0, a.shape[1]))
+
+
+@njit(nogil=True, inline="always")
+def _seg(a, r0, r1, dt):
+    """a[r0:r1] of a 1-D array, typed C-contiguous."""
+    return carray(_ptr(a.ctypes.data + r0 * a.itemsize, dt), (r1 - r0,))
+
+
+# ----------------------------------------------------------------------------- activations
+
+@njit(nogil=True)
+def quant_row_i8(src, dst, n):
+    """Per-row symmetric int8 of src[:n] (fp32) into dst (int8, zero beyond n); returns the scale.
+
+    Exactly reference.quantize_act: xs = amax / 127, q = clip(rint(x * (127 / amax))); a NaN in
+    the row makes the scale NaN (so the row's outputs are NaN), an all-zero row has scale 0.
+    """
+    amax = np.float32(0.0)
+    for j in range(n):
+        a = abs(src[j])
+        if a > amax or a != a:
+            amax = a
+            if a != a:
+                break
+    inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
+    for j in range(n):
+        q = np.rint(src[j] * inv)
+        if q > np.float32(127.0):
+            q = np.float32(127.0)
+        elif q < np.float32(-127.0):
+            q = np.float32(-127.0)
+        elif q != q:
+            q = np.float32(0.0)
+        dst[j] = np.int8(q)
+    for j in range(n, dst.shape[0]):
+        dst[j] = 0
+    return amax / np.float32(127.0)
+
+
+@njit(nogil=True)
+def bf16_row(src, dst, n):
+    for j in range(n):
+        dst[j] = f32_to_bf16_bits(src[j])
+    for j in range(n, dst.shape[0]):
+        dst[j] = 0
+    return np.float32(1.0)
+
+
+# ----------------------------------------------------------------------------- planning
+
+@njit(nogil=True)
+def _blocks_per_task(nblocks, n_active, nthreads, fixed):
+    """Row blocks per (expert, rows) task: enough tasks for TASKS_PER_THREAD per thread."""
+    if fixed > 0:
+        return min(fixed, nblocks)
+    target = nthreads * TASKS_PER_THREAD
+    total = nblocks * n_active
+    b = (total + target - 1) // target
+    return max(1, min(b, nblocks))
+
+
+@njit(nogil=True)
+def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, bpt13, bpt2):
+    """Bucket (token, slot) pairs of tokens [t0, t1) by expert. Returns (rows, n13, n2).
+
+    pos[t - t0, k]: gathered row of slot (t, k) or -1; offs[e]..offs[e+1]: rows of expert e.
+    """
+    E = offs.shape[0] - 1
+    K = ids.shape[1]
+    for e in range(E + 1):
+        offs[e] = 0
+    for t in range(t0, t1):
+        for k in range(K):
+            e = ids[t, k]
+            if e >= 0 and mask[e] != 0:
+                offs[e + 1] += 1
+    n_act = 0
+    for e in range(E):
+        if offs[e + 1] > 0:
+            # insertion by count, biggest first (E is small)
+            c = offs[e + 1]
+            j = n_act
+            while j > 0 and offs[order[j - 1] + 1] < c:
+                order[j] = order[j - 1]
+                j -= 1
+            order[j] = e
+            n_act += 1
+    # counts -> starts; fill rows using offs[e] as a cursor; then shift back to starts
+    offs[0] = 0
+    for e in range(E):
+        offs[e + 1] += offs[e]
+    run = offs[E]
+    for t in range(t0, t1):
+        for k in range(K):
+            e = ids[t, k]
+            if e >= 0 and mask[e] != 0:
+                pos[t - t0, k] = offs[e]
+                offs[e] += 1
+            else:
+                pos[t - t0, k] = -1
+    for e in range(E, 0, -1):
+        offs[e] = offs[e - 1]
+    offs[0] = 0
+    b13 = _blocks_per_task(nb13, n_act, nth, bpt13)
+    b2 = _blocks_per_task(nb2, n_act, nth, bpt2)
+    n13 = 0
+    n2 = 0
+    for a in range(n_act):
+        e = order[a]
+        for b0 in range(0, nb13, b13):
+            tasks13[n13, 0] = e
+            tasks13[n13, 1] = b0
+            tasks13[n13, 2] = min(b0 + b13, nb13)
+            n13 += 1
+        for b0 in range(0, nb2, b2):
+            tasks2[n2, 0] = e
+            tasks2[n2, 1] = b0
+            tasks2[n2, 2] = min(b0 + b2, nb2)
+            n2 += 1
+    return run, n13, n2
+
+
+# ----------------------------------------------------------------------------- phase barrier
+
+@njit(nogil=True)
+def _wait_phase(jctrl, base, n):
+    """Spin until the phase at ``base`` has n tasks done; False if the job was aborted."""
+    i = 0
+    while atomic_load(jctrl, base + CTRL_STRIDE) < n:
+        if atomic_load(jctrl, JOB_ABORT) != 0:
+            return False
+        cpu_pause()
+        i += 1
+        if (i & 1023) == 1023:
+            _sched_yield()
+    return atomic_load(jctrl, JOB_ABORT) == 0
+
+
+# ----------------------------------------------------------------------------- the job
+
+def make_moe_job(scheme: int, gemv13, gemm13, gemv2, gemm2, x_dtype, out_dtype):
+    """Compile-time specialisation of the MoE job for one scheme, kernel set and x/out dtypes.
+
+    gemv*/gemm*: jitted kernels of the README contract for w13 and w2 (usually the same pair).
+    x_dtype / out_dtype: np.float32, or np.uint16 for bf16 bit patterns.
+    Returns ``job(nthreads, jctrl, desc)`` for ``CpuPool.submit_native``.
+    """
+    XT = x_dtype
+    OT = out_dtype
+    if scheme == SCHEME_BF16:
+        AT = np.uint16
+        act_row = bf16_row
+    else:
+        AT = np.int8
+        act_row = quant_row_i8
+    if scheme == SCHEME_INT8:
+        DT = np.int8
+
+        @njit(nogil=True)
+        def gemm(small, xa, xs, data, scale, wsum, gs, out, nb0, nb1, kv, km):
+            if small:
+                kv(xa, xs, data, scale, wsum, out, nb0, nb1)
+            else:
+                km(xa, xs, data, scale, wsum, out, nb0, nb1)
+
+        @njit(nogil=True)
+        def load_w(desc, sd, ss, sw, e):
+            return (_arr5(desc, sd, np.int8)[e], _arr2(desc, ss, np.float32)[e],
+                    _arr2(desc, sw, np.int32)[e])
+    elif scheme == SCHEME_INT4:
+        DT = np.uint8
+
+        @njit(nogil=True)
+        def gemm(small, xa, xs, data, scale, wsum, gs, out, nb0, nb1, kv, km):
+            if small:
+                kv(xa, xs, data, scale, gs, out, nb0, nb1)
+            else:
+                km(xa, xs, data, scale, gs, out, nb0, nb1)
+
+        @njit(nogil=True)
+        def load_w(desc, sd, ss, sw, e):
+            return (_arr5(desc, sd, np.uint8)[e], _arr4(desc, ss, np.float32)[e],
+                    _arr2(desc, sw, np.int32)[e])
+    else:
+        DT = np.uint16
+
+        @njit(nogil=True)
+        def gemm(small, xa, xs, data, scale, wsum, gs, out, nb0, nb1, kv, km):
+            if small:
+                kv(xa, data, out, nb0, nb1)
+            else:
+                km(xa, data, out, nb0, nb1)
+
+        @njit(nogil=True)
+        def load_w(desc, sd, ss, sw, e):
+            return (_arr5(desc, sd, np.uint16)[e], _arr2(desc, ss, np.float32)[e],
+                    _arr2(desc, sw, np.int32)[e])
+    del DT
+
+    @njit(nogil=True)
+    def job(nth, jctrl, desc):
+        me = atomic_add(jctrl, JOB_JOIN, 1)
+        if me >= nth:
+            return
+        T = desc[S_T]
+        K = desc[S_K]
+        H = desc[S_H]
+        I = desc[S_I]
+        up_off = desc[S_UPOFF]
+        C = desc[S_CHUNK]
+        incremental = desc[S_INCR] != 0
+        gemv_max = desc[S_GEMV_MAX]
+        gs13 = desc[S_GS13]
+        gs2 = desc[S_GS2]
+        nch = desc[S_NCHUNK]
+        x = _arr2(desc, A_X, XT)
+        out = _arr2(desc, A_OUT, OT)
+        ids = _arr2(desc, A_IDS, np.int64)
+        tw = _arr2(desc, A_TW, np.float32)
+        mask = _arr1(desc, A_MASK, np.uint8)
+        pos = _arr2(desc, A_POS, np.int32)
+        offs = _arr1(desc, A_OFFS, np.int32)
+        order = _arr1(desc, A_ORDER, np.int32)
+        tasks13 = _arr2(desc, A_T13, np.int32)
+        tasks2 = _arr2(desc, A_T2, np.int32)
+        xg = _arr2(desc, A_XG, AT)
+        xs = _arr1(desc, A_XS, np.float32)
+        gu = _arr2(desc, A_GU, np.float32)
+        hq = _arr2(desc, A_HQ, AT)
+        hs = _arr1(desc, A_HS, np.float32)
+        y = _arr2(desc, A_Y, np.float32)
+        acc = _arr2(desc, A_ACC, np.float32)[me]
+        nb13 = desc[A_W13D * SLOT + 2]
+        nb2 = desc[A_W2D * SLOT + 2]
+        for c in range(nch):
+            t0 = c * C
+            t1 = min(T, t0 + C)
+            pbase = JOB_FREE + c * PHASES * PHASE_WORDS
+            for ph in range(PHASES):
+                base = pbase + ph * PHASE_WORDS
+                n = 1 if ph == 0 else atomic_load(jctrl, base + 2 * CTRL_STRIDE)
+                while True:
+                    if atomic_load(jctrl, JOB_ABORT) != 0:
+                        return
+                    i = atomic_add(jctrl, base, 1)
+                    if i >= n:
+                        break
+                    if ph == 0:
+                        rows, n13, n2 = _plan(t0, t1, ids, mask, pos, offs, order, tasks13,
+                                              tasks2, nb13, nb2, nth, desc[S_BPT13],
+                                              desc[S_BPT2])
+                        # the plan phase's own ntasks word carries the chunk's row count
+                        jctrl[base + 2 * CTRL_STRIDE] = rows
+                        nt = t1 - t0
+                        jctrl[base + PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
+                        jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13
+                        jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+                        jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = n2
+                        jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
+                    elif ph == 1:
+                        for t in range(t0 + i * TOKEN_BLOCK, min(t1, t0 + (i + 1) * TOKEN_BLOCK)):
+                            first = -1
+                            for k in range(K):
+                                r = pos[t - t0, k]
+                                if r < 0:
+                                    continue
+                                if first < 0:
+                                    for j in range(H):
+                                        acc[j] = _to_f32(x[t, j])
+                                    xs[r] = act_row(acc, xg[r], H)
+                                    first = r
+                                else:
+                                    xg[r, :] = xg[first, :]
+                                    xs[r] = xs[first]
+                    elif ph == 2:
+                        e = tasks13[i, 0]
+                        r0 = offs[e]
+                        r1 = offs[e + 1]
+                        d, s, w = load_w(desc, A_W13D, A_W13S, A_W13W, e)
+                        gemm(r1 - r0 <= gemv_max, _rows(xg, r0, r1, AT), _seg(xs, r0, r1, np.float32),
+                             d, s, w, gs13, _rows(gu, r0, r1, np.float32), tasks13[i, 1], tasks13[i, 2], gemv13, gemm13)
+                    elif ph == 3:
+                        rows = jctrl[pbase + 2 * CTRL_STRIDE]
+                        for r in range(i * ROW_BLOCK, min(rows, (i + 1) * ROW_BLOCK)):
+                            g = gu[r]
+                            for j in range(I):
+                                a = g[j]
+                                g[j] = a / (np.float32(1.0) + np.exp(-a)) * g[up_off + j]
+                            hs[r] = act_row(g, hq[r], I)
+                    elif ph == 4:
+                        e = tasks2[i, 0]
+                        r0 = offs[e]
+                        r1 = offs[e + 1]
+                        d, s, w = load_w(desc, A_W2D, A_W2S, A_W2W, e)
+                        gemm(r1 - r0 <= gemv_max, _rows(hq, r0, r1, AT), _seg(hs, r0, r1, np.float32),
+                             d, s, w, gs2, _rows(y, r0, r1, np.float32), tasks2[i, 1], tasks2[i, 2], gemv2, gemm2)
+                    else:
+                        for t in range(t0 + i * TOKEN_BLOCK, min(t1, t0 + (i + 1) * TOKEN_BLOCK)):
+                            if incremental:
+                                for j in range(H):
+                                    acc[j] = _to_f32(out[t, j])
+                            else:
+                                for j in range(H):
+                                    acc[j] = np.float32(0.0)
+                            for k in range(K):
+                                r = pos[t - t0, k]
+                                if r < 0:
+                                    continue
+                                wk = tw[t, k]
+                                yr = y[r]
+                                for j in range(H):
+                                    acc[j] += wk * yr[j]
+                            for j in range(H):
+                                out[t, j] = _from_f32(acc[j], out[t, j])
+                    atomic_add(jctrl, base + CTRL_STRIDE, 1)
+                if not _wait_phase(jctrl, base, n):
+                    return
+        atomic_store(jctrl, JOB_COMPLETE, 1)
+
+    return job

@@ -1,0 +1,554 @@
+"""CPUMoE: the experts of one MoE layer computed on the CPU (check, allocate, launch).
+
+Legend: T tokens, E experts, K top-k, H hidden size, I expert intermediate size, G group size.
+
+    moe = kt.CPUMoE.from_tensors(gate, up, down, scheme="int8")   # gate/up [E, I, H], down [E, H, I]
+    out = moe(x, topk_ids, topk_weights)                           # x [T, H] -> [T, H], x's dtype
+    h = moe.submit(x, topk_ids, topk_weights); ...; out = h.wait()
+
+The arithmetic lives in ``_moe_driver`` (written once for every ISA) and the GEMM micro-kernels
+that ``registry.lookup`` picks for this host; the work runs on a ``CpuPool`` (the default pool
+unless one is given). Scratch buffers belong to the pool and are shared by every layer on it.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ..config import QuantScheme
+from . import _moe_driver as drv
+from .packing import BLOCK_N, PackedWeight, pack, padded_dims
+from .pool import CpuPool, default_pool
+
+__all__ = ["CPUMoE", "MoEHandle", "gemv_max_rows"]
+
+_SCHEME_CODE = {QuantScheme.INT8: drv.SCHEME_INT8, QuantScheme.INT4: drv.SCHEME_INT4,
+                QuantScheme.BF16: drv.SCHEME_BF16}
+MAX_CHUNKS_PER_JOB = 24
+
+
+def gemv_max_rows(scheme: QuantScheme, variant: str) -> int:
+    """Largest per-expert token count that uses the ``gemv`` kernel rather than ``gemm``
+    (a speed heuristic; correctness does not depend on it)."""
+    return 4 if variant == "amx" else 8
+
+
+# ----------------------------------------------------------------------------- compiled jobs
+
+_jobs: dict[tuple, object] = {}
+_jobs_lock = threading.Lock()
+
+
+def _kernel_pair(scheme: QuantScheme, variant: str | None):
+    from . import registry
+
+    try:
+        gemv = registry.lookup("gemv", scheme, variant)
+    except NotImplementedError:
+        gemv = None
+    try:
+        gemm = registry.lookup("gemm", scheme, variant)
+    except NotImplementedError:
+        gemm = None
+    if gemv is None and gemm is None:
+        raise NotImplementedError(
+            f"no CPU GEMM kernel is registered for scheme {scheme.value} at or below variant "
+            f"{variant!r}; registered: {[(i.op, i.scheme.value, i.variant) for i in registry.registered()]}")
+    kv = (gemv or gemm).load()
+    km = (gemm or gemv).load()
+    return kv, km, (gemv or gemm).variant
+
+
+def _get_job(scheme: QuantScheme, kv, km, x_dtype, out_dtype):
+    key = (scheme, id(kv), id(km), np.dtype(x_dtype).str, np.dtype(out_dtype).str)
+    with _jobs_lock:
+        job = _jobs.get(key)
+        if job is None:
+            job = drv.make_moe_job(_SCHEME_CODE[scheme], kv, km, kv, km, x_dtype, out_dtype)
+            _jobs[key] = (job, kv, km)  # keep the kernels alive with their job
+            return job
+        return job[0]
+
+
+# ----------------------------------------------------------------------------- input handling
+
+def _is_torch(a) -> bool:
+    return type(a).__module__.startswith("torch") and hasattr(a, "detach")
+
+
+def _to_numpy_2d(name: str, a, dtypes: tuple[str, ...]):
+    """-> (numpy array, kind) with kind 'f32' or 'bf16' (uint16 bit patterns)."""
+    if _is_torch(a):
+        import torch
+
+        if a.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(a.shape)}")
+        t = a.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:
+            return np.ascontiguousarray(t.contiguous().view(torch.int16).numpy()).view(np.uint16), "bf16"
+        if t.dtype in (torch.float16, torch.float32, torch.float64):
+            return np.ascontiguousarray(t.to(torch.float32).numpy()), "f32"
+        raise TypeError(f"{name} must be bf16, fp16 or fp32, got {t.dtype}")
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {a.shape}")
+    if a.dtype not in (np.float32, np.float16, np.float64):
+        raise TypeError(f"{name} must be float32/float16 (numpy), got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32), "f32"
+
+
+def _routing(name_ids, ids, name_w, w, T, E):
+    def arr(a):
+        if _is_torch(a):
+            return a.detach().cpu().numpy() if str(a.dtype) != "torch.bfloat16" else a.detach().cpu().float().numpy()
+        if isinstance(a, np.ndarray):
+            return a
+        raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
+
+    try:
+        ids_np = arr(ids)
+    except TypeError as exc:
+        raise TypeError(f"{name_ids}: {exc}") from None
+    try:
+        w_np = arr(w)
+    except TypeError as exc:
+        raise TypeError(f"{name_w}: {exc}") from None
+    if ids_np.ndim != 2 or ids_np.shape[0] != T:
+        raise ValueError(f"{name_ids} must be [T={T}, K], got shape {ids_np.shape}")
+    if not np.issubdtype(ids_np.dtype, np.integer):
+        raise TypeError(f"{name_ids} must hold integers, got {ids_np.dtype}")
+    if w_np.shape != ids_np.shape:
+        raise ValueError(f"{name_w} must have the shape of {name_ids} {ids_np.shape}, got {w_np.shape}")
+    if not np.issubdtype(w_np.dtype, np.floating):
+        raise TypeError(f"{name_w} must be floating point, got {w_np.dtype}")
+    ids64 = np.ascontiguousarray(ids_np, dtype=np.int64)
+    if ids64.size:
+        lo, hi = int(ids64.min()), int(ids64.max())
+        if lo < -1 or hi >= E:
+            raise ValueError(f"{name_ids} must be in [-1, {E}) (-1 = skip), got values in [{lo}, {hi}]")
+    return ids64, np.ascontiguousarray(w_np, dtype=np.float32)
+
+
+def _as_stack(name: str, a, ndim: int = 3) -> np.ndarray | object:
+    if _is_torch(a):
+        if a.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(a.shape)}")
+        if str(a.dtype) not in ("torch.bfloat16", "torch.float16", "torch.float32"):
+            raise TypeError(f"{name} must be bf16, fp16 or fp32, got {a.dtype}")
+        return a
+    if isinstance(a, np.ndarray):
+        if a.ndim != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+        if a.dtype not in (np.float32, np.float16, np.float64):
+            raise TypeError(f"{name} must be float32/float16, got {a.dtype}")
+        return a
+    raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
+
+
+def _f32(a) -> np.ndarray:
+    if _is_torch(a):
+        return a.detach().cpu().float().numpy()
+    return np.asarray(a, dtype=np.float32)
+
+
+def _pack_stack(mats, e_count, scheme, group_size) -> PackedWeight:
+    """Pack expert matrices one by one into preallocated stacks (no [E, N, D] fp32 copy)."""
+    first = None
+    for e in range(e_count):
+        p = pack(mats(e), scheme, group_size)
+        if first is None:
+            first = p
+            data = np.empty((e_count,) + p.data.shape, p.data.dtype)
+            scale = np.empty((e_count,) + p.scale.shape, p.scale.dtype)
+            wsum = np.empty((e_count,) + p.wsum.shape, p.wsum.dtype)
+        data[e] = p.data
+        scale[e] = p.scale
+        wsum[e] = p.wsum
+    return PackedWeight(scheme, first.n, first.d, first.n_pad, first.d_pad, first.group_size,
+                        data, scale, wsum)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+class MoEHandle:
+    """An in-flight ``CPUMoE.submit``; ``wait()`` returns the [T, H] output."""
+
+    def __init__(self, first, rest, finish):
+        self._first = first
+        self._rest = rest
+        self._finish = finish
+        self._result = None
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done or (self._first is not None and self._first.done() and not self._rest)
+
+    def wait(self):
+        if not self._done:
+            try:
+                if self._first is not None:
+                    self._first.wait()
+                for launch in self._rest:
+                    launch().wait()
+            finally:
+                self._done = True
+                self._rest = ()
+            self._result = self._finish()
+        return self._result
+
+
+class CPUMoE:
+    """The CPU experts of one MoE layer.
+
+    w13: stacked PackedWeight [E, 2I, H] (gate rows [0, I), up rows [up_offset, up_offset + I)).
+    w2: stacked PackedWeight [E, H, I].
+    pool: the CpuPool to run on (default: ``default_pool()``, looked up at each call).
+    chunk_tokens: tokens per internal chunk (bounds scratch memory: about
+        chunk_tokens * K * (2I + H) * 4 bytes plus activations).
+    max_tokens: optional upper bound on T per call (a larger T is a ValueError).
+    kernels: optional (gemv, gemm) pair of jitted kernels of the README contract (tests);
+        default: the registry's best for this host (or ``variant``).
+    """
+
+    def __init__(self, w13: PackedWeight, w2: PackedWeight, *, up_offset: int | None = None,
+                 pool: CpuPool | None = None, chunk_tokens: int = 1024,
+                 max_tokens: int | None = None, kernels=None, variant: str | None = None,
+                 gemv_max: int | None = None):
+        if not isinstance(w13, PackedWeight) or not isinstance(w2, PackedWeight):
+            raise TypeError("w13 and w2 must be stacked PackedWeight (from pack_experts)")
+        if w13.data.ndim != 5 or w2.data.ndim != 5:
+            raise ValueError("w13 and w2 must be stacked (leading E axis), see packing.pack_experts")
+        if w13.scheme is not w2.scheme:
+            raise ValueError(f"w13 scheme {w13.scheme} != w2 scheme {w2.scheme}")
+        E = w13.data.shape[0]
+        if w2.data.shape[0] != E:
+            raise ValueError(f"w13 has {E} experts but w2 has {w2.data.shape[0]}")
+        H = w13.d
+        I = w2.d
+        if w2.n != H:
+            raise ValueError(f"w2 must be [E, H={H}, I], got N={w2.n}")
+        if up_offset is None:
+            up_offset = I
+        if w13.n < up_offset + I or up_offset < I:
+            raise ValueError(f"w13 must hold gate rows [0, {I}) and up rows "
+                             f"[{up_offset}, {up_offset + I}); it has {w13.n} rows")
+        if not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
+            raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+        self.scheme = w13.scheme
+        self.w13, self.w2 = w13, w2
+        self.num_experts, self.hidden, self.intermediate = E, H, I
+        self.up_offset = int(up_offset)
+        self.group_size = w13.group_size
+        self.chunk_tokens = chunk_tokens
+        self.max_tokens = max_tokens
+        self._pool = pool
+        if kernels is not None:
+            kv, km = kernels
+            self.variant = variant or "custom"
+        else:
+            kv, km, self.variant = _kernel_pair(self.scheme, variant)
+        self._kv, self._km = kv, km
+        self.gemv_max = gemv_max if gemv_max is not None else gemv_max_rows(self.scheme, self.variant)
+        self._all_cpu = np.ones(E, np.uint8)
+        self._wdesc = self._weight_desc()
+        self._tmpl: dict = {}
+
+    # -- constructors
+
+    @classmethod
+    def from_tensors(cls, gate, up, down, scheme: QuantScheme | str = "int8", group_size: int = 64,
+                     pool: CpuPool | None = None, **kw) -> "CPUMoE":
+        """Quantise and pack gate/up [E, I, H] and down [E, H, I] (torch or numpy; bf16/fp16/fp32)."""
+        scheme = QuantScheme.parse(scheme)
+        gate = _as_stack("gate", gate)
+        up = _as_stack("up", up)
+        down = _as_stack("down", down)
+        E, I, H = tuple(gate.shape)
+        if tuple(up.shape) != (E, I, H):
+            raise ValueError(f"up must have gate's shape [E, I, H] = {(E, I, H)}, got {tuple(up.shape)}")
+        if tuple(down.shape) != (E, H, I):
+            raise ValueError(f"down must be [E, H, I] = {(E, H, I)}, got {tuple(down.shape)}")
+        if min(E, I, H) <= 0:
+            raise ValueError(f"empty expert weights: gate shape {(E, I, H)}")
+        w13 = _pack_stack(lambda e: np.concatenate([_f32(gate[e]), _f32(up[e])], axis=0),
+                          E, scheme, group_size)
+        w2 = _pack_stack(lambda e: _f32(down[e]), E, scheme, group_size)
+        return cls(w13, w2, up_offset=I, pool=pool, **kw)
+
+    @classmethod
+    def from_kt(cls, path, layer: int, pool: CpuPool | None = None,
+                physical_to_logical_map=None, **kw) -> "CPUMoE":
+        """Load layer ``layer`` of a kt weight-format directory (``kt.weights.load_experts``)."""
+        try:
+            from ..weights import load_experts
+        except ImportError as exc:
+            raise NotImplementedError(
+                "CPUMoE.from_kt needs kt.weights.load_experts, which this kt build lacks") from exc
+        lw = load_experts(path, layer, physical_to_logical_map=physical_to_logical_map)
+        return cls(lw.w13, lw.w2, pool=pool, **kw)
+
+    # -- properties
+
+    @property
+    def pool(self) -> CpuPool:
+        p = self._pool
+        if p is None or p.closed:
+            if p is not None and p.closed:
+                raise RuntimeError("CPUMoE: its CpuPool was shut down")
+            return default_pool()
+        return p
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+    def expert_bytes(self) -> int:
+        """Bytes of packed weights one expert reads (w13 + w2)."""
+        return self.nbytes // self.num_experts
+
+    def __repr__(self):
+        return (f"CPUMoE(E={self.num_experts}, H={self.hidden}, I={self.intermediate}, "
+                f"scheme={self.scheme.value}, variant={self.variant}, "
+                f"weights={self.nbytes / 2**20:.1f} MiB)")
+
+    # -- descriptor pieces
+
+    def _weight_desc(self) -> np.ndarray:
+        d = np.zeros(drv.N_SLOTS * drv.SLOT, np.int64)
+        for slot, a in ((drv.A_W13D, self.w13.data), (drv.A_W13S, self.w13.scale),
+                        (drv.A_W13W, self.w13.wsum), (drv.A_W2D, self.w2.data),
+                        (drv.A_W2S, self.w2.scale), (drv.A_W2W, self.w2.wsum)):
+            _put(d, slot, a)
+        return d
+
+    def _scratch_desc(self, pool: CpuPool, rows_cap: int, tok_cap: int, K: int, act_dtype) -> np.ndarray:
+        key = (id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str)
+        d = self._tmpl.get(key)
+        if d is not None:
+            return d
+        E = self.num_experts
+        hp = self.w13.d_pad
+        ip = self.w2.d_pad
+        n13 = self.w13.n_pad
+        n2 = self.w2.n_pad
+        nb13 = n13 // BLOCK_N
+        nb2 = n2 // BLOCK_N
+        hacc = -(-max(self.hidden, 1) // 16) * 16 + 16
+        bufs = {
+            drv.A_POS: pool.scratch("moe.pos", tok_cap * K, np.int32).reshape(tok_cap, K),
+            drv.A_OFFS: pool.scratch("moe.offs", E + 1, np.int32),
+            drv.A_ORDER: pool.scratch("moe.order", E, np.int32),
+            drv.A_T13: pool.scratch("moe.t13", E * nb13 * 3, np.int32).reshape(E * nb13, 3),
+            drv.A_T2: pool.scratch("moe.t2", E * nb2 * 3, np.int32).reshape(E * nb2, 3),
+            drv.A_XG: pool.scratch("moe.xg", rows_cap * hp, act_dtype).reshape(rows_cap, hp),
+            drv.A_XS: pool.scratch("moe.xs", rows_cap, np.float32),
+            drv.A_GU: pool.scratch("moe.gu", rows_cap * n13, np.float32).reshape(rows_cap, n13),
+            drv.A_HQ: pool.scratch("moe.hq", rows_cap * ip, act_dtype).reshape(rows_cap, ip),
+            drv.A_HS: pool.scratch("moe.hs", rows_cap, np.float32),
+            drv.A_Y: pool.scratch("moe.y", rows_cap * n2, np.float32).reshape(rows_cap, n2),
+            drv.A_ACC: pool.scratch("moe.acc", pool.num_threads * hacc,
+                                    np.float32).reshape(pool.num_threads, hacc),
+        }
+        d = self._wdesc.copy()
+        for slot, a in bufs.items():
+            _put(d, slot, a)
+        if len(self._tmpl) > 16:
+            self._tmpl.clear()
+        self._tmpl[key] = d
+        # the scratch templates may have bumped the version while allocating: key on the final one
+        self._tmpl[(id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str)] = d
+        return d
+
+    # -- calls
+
+    def __call__(self, x, topk_ids, topk_weights, gpu_mask=None, out=None, incremental=False):
+        """out [T, H] (x's dtype, torch in -> torch out) = sum over CPU experts; see submit."""
+        return self.submit(x, topk_ids, topk_weights, gpu_mask=gpu_mask, out=out,
+                           incremental=incremental).wait()
+
+    forward = __call__
+
+    def submit(self, x, topk_ids, topk_weights, gpu_mask=None, out=None,
+               incremental=False) -> MoEHandle:
+        """Start the layer on the pool; ``.wait()`` on the handle returns the output.
+
+        x: [T, H] bf16/fp16/fp32 (torch or numpy). topk_ids: [T, K] int (-1 = skip this slot).
+        topk_weights: [T, K] float. gpu_mask: [E] bool, True = the expert is computed elsewhere
+        (skipped here). out: optional [T, H] output to write (or, with ``incremental``, to add
+        into). Inputs must stay unchanged until ``wait()`` returns.
+        """
+        E, H = self.num_experts, self.hidden
+        xa, xkind = _to_numpy_2d("x", x, ())
+        T = xa.shape[0]
+        if xa.shape[1] != H:
+            raise ValueError(f"x must be [T, H={H}], got shape {tuple(xa.shape)}")
+        if self.max_tokens is not None and T > self.max_tokens:
+            raise ValueError(f"x has T={T} tokens, more than max_tokens={self.max_tokens}")
+        ids, tw = _routing("topk_ids", topk_ids, "topk_weights", topk_weights, T, E)
+        K = ids.shape[1]
+        if gpu_mask is None:
+            mask = self._all_cpu
+        else:
+            gm = gpu_mask.detach().cpu().numpy() if _is_torch(gpu_mask) else np.asarray(gpu_mask)
+            if gm.shape != (E,):
+                raise ValueError(f"gpu_mask must be [E={E}] bool, got shape {gm.shape}")
+            if gm.dtype != np.bool_:
+                raise TypeError(f"gpu_mask must be bool, got {gm.dtype}")
+            mask = np.ascontiguousarray(~gm, dtype=np.uint8)
+        if not isinstance(incremental, (bool, np.bool_)):
+            raise TypeError(f"incremental must be a bool, got {type(incremental).__name__}")
+        if incremental and out is None:
+            raise ValueError("incremental=True needs out= (the output to add into)")
+
+        # output: the driver writes fp32 or bf16 bits; anything else goes through a temporary
+        torch_in = _is_torch(x)
+        okind = "bf16" if xkind == "bf16" else "f32"
+        direct = None
+        if out is not None:
+            direct = _direct_out(out, T, H, okind)
+        if direct is not None:
+            ob = direct
+        else:
+            ob = np.empty((T, H), np.uint16 if okind == "bf16" else np.float32)
+            if incremental:
+                ob[...] = _out_init(out, T, H, okind)
+
+        def finish():
+            return _finish_out(ob, out, direct is not None, x, torch_in, xkind, okind)
+
+        if T == 0:
+            return MoEHandle(None, (), finish)
+        pool = self.pool
+        C = self.chunk_tokens
+        launches = []
+        for j0 in range(0, T, C * MAX_CHUNKS_PER_JOB):
+            j1 = min(T, j0 + C * MAX_CHUNKS_PER_JOB)
+            launches.append(self._launcher(pool, xa, ob, ids, tw, mask, j0, j1, K, incremental,
+                                           xkind, okind))
+        first = launches[0]()
+        return MoEHandle(first, launches[1:], finish)
+
+    def _launcher(self, pool, xa, ob, ids, tw, mask, j0, j1, K, incremental, xkind, okind):
+        def launch():
+            T = j1 - j0
+            C = min(self.chunk_tokens, T)
+            nch = -(-T // C)
+            act = np.uint16 if self.scheme is QuantScheme.BF16 else np.int8
+            job = _get_job(self.scheme, self._kv, self._km,
+                           np.uint16 if xkind == "bf16" else np.float32,
+                           np.uint16 if okind == "bf16" else np.float32)
+            desc, _ = pool.begin(drv.jctrl_words(nch))
+            tok_cap = _cap(C)
+            rows_cap = _cap(C * K)
+            tmpl = self._scratch_desc(pool, rows_cap, tok_cap, K, act)
+            desc[: tmpl.size] = tmpl
+            xs, os_, is_, ws = xa[j0:j1], ob[j0:j1], ids[j0:j1], tw[j0:j1]
+            _fill_call(desc, xs, os_, is_, ws, mask)
+            desc[drv.S_T] = T
+            desc[drv.S_K] = K
+            desc[drv.S_E] = self.num_experts
+            desc[drv.S_H] = self.hidden
+            desc[drv.S_I] = self.intermediate
+            desc[drv.S_UPOFF] = self.up_offset
+            desc[drv.S_CHUNK] = C
+            desc[drv.S_INCR] = int(bool(incremental))
+            desc[drv.S_GEMV_MAX] = self.gemv_max
+            desc[drv.S_GS13] = self.w13.group_size
+            desc[drv.S_GS2] = self.w2.group_size
+            desc[drv.S_NCHUNK] = nch
+            desc[drv.S_BPT13] = 0
+            desc[drv.S_BPT2] = 0
+            return pool.submit_native(job, keep=(xs, os_, is_, ws, mask, self))
+
+        return launch
+
+
+def _cap(n: int) -> int:
+    """Capacity bucket (powers of two, at least 16) so scratch templates are reused."""
+    c = 16
+    while c < n:
+        c *= 2
+    return c
+
+
+def _put(d: np.ndarray, slot: int, a: np.ndarray) -> None:
+    if not a.flags.c_contiguous:
+        raise ValueError("internal: descriptor arrays must be C-contiguous")
+    o = slot * drv.SLOT
+    d[o] = a.ctypes.data if a.size else 0
+    d[o + 1: o + 1 + a.ndim] = a.shape
+
+
+def _fill_call(desc, x, out, ids, tw, mask):
+    for slot, a in ((drv.A_X, x), (drv.A_OUT, out), (drv.A_IDS, ids), (drv.A_TW, tw),
+                    (drv.A_MASK, mask)):
+        _put(desc, slot, a)
+
+
+def _direct_out(out, T, H, okind):
+    """The numpy array the driver can write into directly for ``out``, or None."""
+    if _is_torch(out):
+        if tuple(out.shape) != (T, H):
+            raise ValueError(f"out must be [T, H] = {(T, H)}, got {tuple(out.shape)}")
+        if out.device.type != "cpu" or not out.is_contiguous():
+            return None
+        import torch
+
+        if okind == "bf16" and out.dtype == torch.bfloat16:
+            return out.view(torch.int16).numpy().view(np.uint16)
+        if okind == "f32" and out.dtype == torch.float32:
+            return out.numpy()
+        return None
+    if isinstance(out, np.ndarray):
+        if out.shape != (T, H):
+            raise ValueError(f"out must be [T, H] = {(T, H)}, got {out.shape}")
+        if okind == "f32" and out.dtype == np.float32 and out.flags.c_contiguous and out.flags.writeable:
+            return out
+        return None
+    raise TypeError(f"out must be a torch.Tensor or numpy.ndarray, got {type(out).__name__}")
+
+
+def _out_init(out, T, H, okind):
+    if _is_torch(out):
+        import torch
+
+        t = out.detach().cpu()
+        if okind == "bf16":
+            return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+        return t.float().numpy()
+    if okind == "bf16":
+        from ..reference import f32_to_bf16_bits
+
+        return f32_to_bf16_bits(np.asarray(out, np.float32))
+    return np.asarray(out, np.float32)
+
+
+def _finish_out(ob, out, direct, x, torch_in, xkind, okind):
+    if direct:
+        return out
+    if torch_in:
+        import torch
+
+        if okind == "bf16":
+            res = torch.from_numpy(ob.view(np.int16)).view(torch.bfloat16)
+        else:
+            res = torch.from_numpy(ob).to(x.dtype)
+        if x.device.type != "cpu":
+            res = res.to(x.device)
+    else:
+        res = ob if x.dtype == np.float32 else ob.astype(x.dtype)
+    if out is not None:
+        if _is_torch(out):
+            import torch
+
+            out.copy_(res if _is_torch(res) else torch.from_numpy(np.asarray(res)))
+        else:
+            out[...] = res
+        return out
+    return res
