@@ -8,6 +8,7 @@ Sections (each independent; a failure is recorded and the script goes on):
   overlap      qwen3-30b-a3b layer, INT8 CPU experts, 0/25/50/100 % of experts on the GPU,
                T in {1, 8, 64, 512, 4096}: hybrid time vs max(CPU part alone, GPU part alone)
   graph        a 4-layer decode step captured in a CUDA graph, replayed: identical to eager?
+  concurrency  forwards on one stream while another thread keeps calling update_placement
   prefill      T=4096 with layer-wise GPU prefill vs the CPU path, and what "auto" picks
 Weights are random (std 1/sqrt(fan_in)); routing is uniform random, fresh per call.
 """
@@ -161,6 +162,46 @@ def section_graph(cpu, dev, res):
     res["graph"] = out
 
 
+def section_concurrency(cpu, dev, res):
+    """Forwards in one thread (own stream) while another thread keeps re-placing experts."""
+    import threading
+
+    layer = HybridMoE(cpu, placement_row(0.25, E, 20), device=dev, gpu_dtype="int8")
+    gen = torch.Generator().manual_seed(7)
+    t = 16
+    x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16)
+    ids, w = routing(t, E, K, gen, "cpu")
+    q13 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w13.expert(e))) for e in range(E)]
+    q2 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w2.expert(e))) for e in range(E)]
+    exp = ref.moe_forward_quantized(x.float(), ids, w, q13, q2)
+    xd, idd, wd = x.to(dev), ids.to(dev), w.to(dev)
+    stop = threading.Event()
+    errs, updates = [], [0]
+
+    def replacer():
+        k = 0
+        while not stop.is_set():
+            layer.update_placement(placement_row([0.1, 0.25, 0.5][k % 3], E, 100 + k))
+            updates[0] += 1
+            k += 1
+
+    th = threading.Thread(target=replacer)
+    th.start()
+    s = torch.cuda.Stream()
+    t_end = time.perf_counter() + 8.0
+    n = 0
+    with torch.cuda.stream(s):
+        while time.perf_counter() < t_end:
+            y = layer(xd, idd, wd).float().cpu()
+            errs.append(ref.relative_error(y, exp))
+            n += 1
+    stop.set()
+    th.join()
+    res["concurrency"] = dict(forwards=n, placement_updates=updates[0], max_rel_err=max(errs),
+                              ok=max(errs) < 0.02)
+    print("concurrency", res["concurrency"], flush=True)
+
+
 def section_prefill(cpu, dev, res, reps):
     gen = torch.Generator().manual_seed(4)
     t = 4096
@@ -187,7 +228,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--sections", default="correctness,overlap,graph,prefill")
+    ap.add_argument("--sections", default="correctness,graph,concurrency,prefill,overlap")
     args = ap.parse_args()
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(0), "threads": args.threads, "shape": dict(E=E, K=K, H=H, I=I),
@@ -206,6 +247,7 @@ def main():
         fn = {"correctness": lambda: section_correctness(cpu, dev, res),
               "overlap": lambda: section_overlap(cpu, dev, res, args.reps),
               "graph": lambda: section_graph(cpu, dev, res),
+              "concurrency": lambda: section_concurrency(cpu, dev, res),
               "prefill": lambda: section_prefill(cpu, dev, res, max(3, args.reps // 3))}[name]
         try:
             fn()

@@ -28,7 +28,7 @@ import torch
 
 from .config import QuantScheme
 
-__all__ = ["HybridMoE", "DeferredChain", "split_deferred", "PrefillCostModel"]
+__all__ = ["HybridMoE", "DeferredChain", "DynamicReplacement", "split_deferred", "PrefillCostModel"]
 
 
 # ----------------------------------------------------------------------------- routing helpers
@@ -193,6 +193,9 @@ class HybridMoE:
         self.stats = _Stats()
         self._lock = threading.Lock()  # forward vs update_placement
         self._bridge = None
+        self._streams_seen: set = set()
+        self.observer = None  # e.g. a DynamicPlacer: observer.observe(layer_idx, topk_ids, weights)
+        self.after_forward = None  # callable run after each forward (DynamicReplacement)
         self._set_placement(gpu_slot)
 
     # -- placement ---------------------------------------------------------------------------
@@ -249,16 +252,26 @@ class HybridMoE:
             self._cpu_expert = torch.from_numpy(~self.gpu_mask)
 
     def update_placement(self, gpu_slot) -> None:
-        """Switch to a new placement row. The new GPU weights are built first (the forward keeps
-        using the old ones meanwhile) and swapped in under a lock, so no forward ever sees a
-        half-written slot. Safe to call from another thread while forwards run."""
+        """Switch to a new placement row. The new GPU weights are built first on a side stream
+        (forwards keep using the old ones meanwhile) and swapped in under a lock, so no forward
+        ever sees a half-written slot. Safe to call from another thread while forwards run. The
+        CPU keeps every expert, so nothing is copied back. CUDA graphs captured before an update
+        keep the old placement: capture again after updating."""
         row = self._validated_slots(gpu_slot)
         gpu = None
         if (row >= 0).any():
-            w13, w2, s13, s2 = self._build_gpu_weights(row)
-            gpu = dict(w13=w13, w2=w2, w13_scale=s13, w2_scale=s2,
-                       e2s=torch.from_numpy(row.astype(np.int32)).to(self.device))
-            torch.cuda.current_stream(self.device).synchronize()  # copies done before the swap
+            side = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(side):
+                w13, w2, s13, s2 = self._build_gpu_weights(row)
+                e2s = torch.from_numpy(row.astype(np.int32)).to(self.device)
+            side.synchronize()  # the new slots are complete before anyone can see them
+            gpu = dict(w13=w13, w2=w2, w13_scale=s13, w2_scale=s2, e2s=e2s)
+            # the allocator must not hand these blocks to the side stream while forward
+            # streams still read them
+            for t in gpu.values():
+                if t is not None:
+                    for st in list(self._streams_seen):
+                        t.record_stream(st)
         self._apply(row, gpu)
 
     @property
@@ -297,7 +310,13 @@ class HybridMoE:
                                           else self._cpu_expert)
             gpu_mask = self.gpu_mask
         self.stats.calls += 1
+        if self.observer is not None:
+            self.observer.observe(self.layer_idx, topk_ids, topk_weights)
         t = x.shape[0]
+        if x.device.type == "cuda":
+            st = torch.cuda.current_stream(x.device)
+            if st not in self._streams_seen:
+                self._streams_seen.add(st)
         if x.device.type != "cuda":
             path = "cpu_only"
             out = self._forward_cpu(x, topk_ids, topk_weights, cpu_expert, gpu_mask)
@@ -309,6 +328,8 @@ class HybridMoE:
             out = self._forward_hybrid(x, topk_ids, topk_weights, gpu, cpu_expert, gpu_mask)
         self.stats.paths[path] += 1
         self.stats.last_path = path
+        if self.after_forward is not None:
+            self.after_forward()
         return out
 
     __call__ = forward
@@ -440,3 +461,65 @@ class _StreamPending:
 
     def add_into(self, out):
         return out + self.bridge.finish(self.job)
+
+
+class DynamicReplacement:
+    """Re-places experts while serving (decode included), driven by a ``kt.placement.DynamicPlacer``.
+
+    Every layer reports its routing to the placer (``placer.observe``, a bincount on the device, no
+    host sync); after each forward of the last layer the placer is polled (it reads its statistics
+    once every ``every_n_tokens`` tokens). When it returns a new placement, the newly hot experts are
+    copied into GPU slots in a background thread and each layer switches atomically
+    (``HybridMoE.update_placement``); forwards go on meanwhile with the old placement.
+
+    layers: the model's HybridMoE layers; layer i uses row ``layers[i].layer_idx`` of the placement.
+    """
+
+    def __init__(self, layers, placer, *, background: bool = True):
+        if not layers:
+            raise ValueError("DynamicReplacement needs at least one layer")
+        self.layers = list(layers)
+        self.placer = placer
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self.updates = 0
+        self.errors: list[BaseException] = []
+        for layer in self.layers:
+            layer.observer = placer
+        self.layers[-1].after_forward = self.step
+
+    def step(self) -> bool:
+        """Poll the policy; start an update if one is due. True when an update started."""
+        if self._thread is not None and self._thread.is_alive():
+            return False  # one update at a time; the policy keeps observing meanwhile
+        new = self.placer.poll()
+        if new is None:
+            return False
+        if self.background:
+            self._thread = threading.Thread(target=self._apply, args=(new,), daemon=True,
+                                            name="kt-replace")
+            self._thread.start()
+        else:
+            self._apply(new)
+        return True
+
+    def _apply(self, placement) -> None:
+        try:
+            for layer in self.layers:
+                layer.update_placement(placement.gpu_slot[layer.layer_idx])
+            self.updates += 1
+        except BaseException as exc:  # surfaced by wait()
+            self.errors.append(exc)
+
+    def wait(self) -> None:
+        """Block until a running update has finished; re-raise its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+        if self.errors:
+            raise RuntimeError(f"expert re-placement failed: {self.errors[0]!r}") from self.errors[0]
+
+    def detach(self) -> None:
+        self.wait()
+        for layer in self.layers:
+            layer.observer = None
+            layer.after_forward = None

@@ -125,3 +125,36 @@ def test_prefill_cost_model_threshold_is_monotone_in_pcie_bandwidth():
         assert m.gpu_seconds(fast // 2, *args) >= m.cpu_seconds(fast // 2, *args)
     m.observe_cpu(512, 8, 2048, 768, 0.05)
     assert m.observations == 1 and m.cpu_flops == pytest.approx(6 * 2048 * 768 * 512 * 8 / 0.05)
+
+
+class _FakeLayer:
+    def __init__(self, idx):
+        self.layer_idx, self.rows = idx, []
+        self.observer = self.after_forward = None
+
+    def update_placement(self, row):
+        self.rows.append(np.asarray(row).copy())
+
+
+def test_dynamic_replacement_follows_the_routing():
+    from kt.hybrid import DynamicReplacement
+    from kt.placement import DynamicPlacer, Placement
+
+    L, E_ = 2, 8
+    start = Placement.from_mask(np.array([[True, True] + [False] * 6] * L))
+    placer = DynamicPlacer((L, E_), initial=start, every_n_tokens=32, drift_threshold=0.05)
+    layers = [_FakeLayer(0), _FakeLayer(1)]
+    dyn = DynamicReplacement(layers, placer, background=False)
+    assert layers[0].observer is placer and layers[1].after_forward == dyn.step
+    hot = np.array([[6, 7]] * 64)  # all traffic goes to experts 6 and 7
+    for _ in range(2):
+        for layer in layers:
+            layer.observer.observe(layer.layer_idx, hot)
+        layers[-1].after_forward()
+    dyn.wait()
+    assert dyn.updates == 1
+    for layer in layers:
+        row = layer.rows[-1]
+        assert set(np.nonzero(row >= 0)[0]) == {6, 7}
+    dyn.detach()
+    assert layers[0].observer is None
