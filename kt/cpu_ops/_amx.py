@@ -27,6 +27,7 @@ from numba.extending import intrinsic, register_jitable
 __all__ = [
     "install_cache", "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
     "tileloadd64", "tilestored64", "tdpbssd", "tdpbsud", "tdpbf16ps",
+    "row16_scale_store", "row16_fma", "row16_mul_store", "copy64", "unpack_int4_line", "prefetch_l1",
 ]
 
 _I8 = ir.IntType(8)
@@ -234,3 +235,137 @@ def tdpbf16ps(typingctx, dst, a, b):
     g = _dot_codegen("tdpbf16ps", _tile(dst, "tdpbf16ps"), _tile(a, "tdpbf16ps"),
                      _tile(b, "tdpbf16ps"))
     return types.none(dst, a, b), g
+
+
+# ----------------------------------------------------------------------------- 64-byte row helpers
+# The epilogues work on 16 fp32 / int32 values (one C tile row) or 64 bytes at a time. LLVM does
+# not vectorise those short fixed-length Numba loops (it unrolls them to scalar code, as it cannot
+# rule out aliasing), so these emit the <16 x ...> operations directly. AVX-512 is present on every
+# AMX CPU. Operands are (array, element index) like the tile intrinsics; nothing is bounds-checked.
+
+_F32X16 = ir.VectorType(ir.FloatType(), 16)
+_I32X16 = ir.VectorType(ir.IntType(32), 16)
+_I8X64 = ir.VectorType(_I8, 64)
+
+
+def _vptr(context, builder, sig, args, k, vecty):
+    """Pointer to element args[k + 1] of array args[k], as a pointer to ``vecty``."""
+    idx = context.cast(builder, args[k + 1], sig.args[k + 1], types.int64)
+    return builder.bitcast(_address(context, builder, sig.args[k], args[k], idx), vecty.as_pointer())
+
+
+def _splat(builder, value, vecty):
+    v = builder.insert_element(ir.Constant(vecty, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    mask = ir.Constant(ir.VectorType(ir.IntType(32), vecty.count), [0] * vecty.count)
+    return builder.shuffle_vector(v, ir.Constant(vecty, ir.Undefined), mask)
+
+
+def _dtype_is(ary, dtype, what):
+    if not (isinstance(ary, types.Array) and ary.dtype == dtype):
+        raise TypingError(f"{what}: expected a {dtype} array, got {ary}")
+
+
+@intrinsic
+def row16_scale_store(typingctx, out, oi, c, ci, s, si, xm):
+    """out[oi : oi+16] = (fp32(c[ci : ci+16]) * xm) * s[si : si+16]   (c int32; out, s fp32)."""
+    _dtype_is(out, types.float32, "row16_scale_store out")
+    _dtype_is(c, types.int32, "row16_scale_store c")
+    _dtype_is(s, types.float32, "row16_scale_store s")
+
+    def codegen(context, builder, sig, args):
+        o = _vptr(context, builder, sig, args, 0, _F32X16)
+        cv = builder.load(_vptr(context, builder, sig, args, 2, _I32X16), align=4)
+        sv = builder.load(_vptr(context, builder, sig, args, 4, _F32X16), align=4)
+        x = context.cast(builder, args[6], sig.args[6], types.float32)
+        r = builder.fmul(builder.fmul(builder.sitofp(cv, _F32X16), _splat(builder, x, _F32X16)), sv)
+        builder.store(r, o, align=4)
+        return context.get_dummy_value()
+
+    return types.none(out, oi, c, ci, s, si, xm), codegen
+
+
+@intrinsic
+def row16_fma(typingctx, acc, ai, c, ci, s, si):
+    """acc[ai : ai+16] = fma(s[si : si+16], fp32(c[ci : ci+16]), acc[ai : ai+16])  (c int32)."""
+    _dtype_is(acc, types.float32, "row16_fma acc")
+    _dtype_is(c, types.int32, "row16_fma c")
+    _dtype_is(s, types.float32, "row16_fma s")
+
+    def codegen(context, builder, sig, args):
+        a = _vptr(context, builder, sig, args, 0, _F32X16)
+        av = builder.load(a, align=4)
+        cv = builder.load(_vptr(context, builder, sig, args, 2, _I32X16), align=4)
+        sv = builder.load(_vptr(context, builder, sig, args, 4, _F32X16), align=4)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_F32X16, [_F32X16] * 3), "llvm.fma.v16f32")
+        builder.store(builder.call(fma, [sv, builder.sitofp(cv, _F32X16), av]), a, align=4)
+        return context.get_dummy_value()
+
+    return types.none(acc, ai, c, ci, s, si), codegen
+
+
+@intrinsic
+def row16_mul_store(typingctx, out, oi, a, ai, xm):
+    """out[oi : oi+16] = a[ai : ai+16] * xm   (fp32)."""
+    _dtype_is(out, types.float32, "row16_mul_store out")
+    _dtype_is(a, types.float32, "row16_mul_store a")
+
+    def codegen(context, builder, sig, args):
+        o = _vptr(context, builder, sig, args, 0, _F32X16)
+        av = builder.load(_vptr(context, builder, sig, args, 2, _F32X16), align=4)
+        x = context.cast(builder, args[4], sig.args[4], types.float32)
+        builder.store(builder.fmul(av, _splat(builder, x, _F32X16)), o, align=4)
+        return context.get_dummy_value()
+
+    return types.none(out, oi, a, ai, xm), codegen
+
+
+@intrinsic
+def copy64(typingctx, dst, di, src, si):
+    """Copy 64 bytes from src (element si) to dst (element di); any dtypes."""
+    _check_mem(dst, di, "copy64")
+    _check_mem(src, si, "copy64")
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_vptr(context, builder, sig, args, 2, _I8X64), align=1)
+        builder.store(v, _vptr(context, builder, sig, args, 0, _I8X64), align=1)
+        return context.get_dummy_value()
+
+    return types.none(dst, di, src, si), codegen
+
+
+@intrinsic
+def unpack_int4_line(typingctx, src, si, dst, di):
+    """One packed INT4 line (64 bytes of nibbles q + 8) -> two signed int8 k4 rows:
+    dst[di : di+64] = (src & 15) - 8 (low nibbles), dst[di+64 : di+128] = (src >> 4) - 8."""
+    _dtype_is(src, types.uint8, "unpack_int4_line src")
+    _dtype_is(dst, types.int8, "unpack_int4_line dst")
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_vptr(context, builder, sig, args, 0, _I8X64), align=1)
+        k15 = ir.Constant(_I8X64, [15] * 64)
+        k8 = ir.Constant(_I8X64, [8] * 64)
+        k4 = ir.Constant(_I8X64, [4] * 64)
+        lo = builder.sub(builder.and_(v, k15), k8)
+        hi = builder.sub(builder.lshr(v, k4), k8)
+        d0 = _vptr(context, builder, sig, args, 2, _I8X64)
+        builder.store(lo, d0, align=1)
+        builder.store(hi, builder.gep(d0, [ir.Constant(_I64, 1)]), align=1)
+        return context.get_dummy_value()
+
+    return types.none(src, si, dst, di), codegen
+
+
+@intrinsic
+def prefetch_l1(typingctx, ary, index):
+    """Software prefetch of the cache line holding ary[index] into L1 (prefetcht0)."""
+    _check_mem(ary, index, "prefetch_l1")
+
+    def codegen(context, builder, sig, args):
+        p = builder.bitcast(_vptr(context, builder, sig, args, 0, _I8X64), _PTR)
+        i32 = ir.IntType(32)
+        _call(builder, "llvm.prefetch.p0", [_PTR, i32, i32, i32],
+              [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(ary, index), codegen

@@ -30,22 +30,26 @@ runnable (hardware and arch_prctl permission), so no AMX code is compiled or run
 import numpy as np
 from numba import njit
 
-from ._amx import (install_cache, ldtilecfg, require_amx, set_tilecfg, tdpbf16ps, tdpbssd, tilezero,
-                   tileloadd64, tilerelease, tilestored64)
+from ._amx import (copy64, install_cache, ldtilecfg, prefetch_l1, require_amx, row16_fma,
+                   row16_mul_store, row16_scale_store, set_tilecfg, tdpbf16ps, tdpbssd, tilezero,
+                   tileloadd64, tilerelease, tilestored64, unpack_int4_line)
 
 AMX_MODE = require_amx()
 install_cache()  # cache.install(), see _amx.install_cache
 
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
-           "gemm_int8_blocked", "gemm_int4_blocked", "gemm_bf16_blocked", "peak_int8",
-           "peak_bf16", "default_mc"]
+           "gemv_int8_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
+           "gemm_bf16_blocked", "peak_int8", "peak_bf16", "default_mc"]
+
+# The contract entry points (gemv_*, gemm_*) pass their tuning as literal arguments to the
+# *_pf / *_blocked kernels; the values were chosen from benchmarks/results/amx_device.md.
 
 
 # ----------------------------------------------------------------------------- shared helpers
 
 @njit(nogil=True, cache=True)
 def _config(cfg, rows, kbytes):
-    """Load the one tile config: C 0-3 rows x 64 B, A 4-5 rows x kbytes, B 6-7 kbytes/4 x 64 B."""
+    """GEMM config: C 0-3 rows x 64 B, A 4-5 rows x kbytes, B 6-7 kbytes/4 x 64 B."""
     for i in range(64):
         cfg[i] = 0
     for t in range(4):
@@ -58,6 +62,20 @@ def _config(cfg, rows, kbytes):
 
 
 @njit(nogil=True, cache=True)
+def _config_gemv(cfg, rows, kbytes):
+    """GEMV config: C 0-3 rows x 64 B, A 4 rows x kbytes, B 5-7 kbytes/4 x 64 B (three B tiles
+    in rotation, so a B load need not wait for the previous product on the same register)."""
+    for i in range(64):
+        cfg[i] = 0
+    for t in range(4):
+        set_tilecfg(cfg, t, rows, 64)
+    set_tilecfg(cfg, 4, rows, kbytes)
+    for t in range(5, 8):
+        set_tilecfg(cfg, t, kbytes // 4, 64)
+    ldtilecfg(cfg)
+
+
+@njit(nogil=True, cache=True)
 def default_mc(row_bytes):
     """Rows of an M chunk: about 512 KiB of A (L2-resident), a multiple of 32, at least 32."""
     mc = (1 << 19) // row_bytes // 32 * 32
@@ -66,46 +84,42 @@ def default_mc(row_bytes):
 
 @njit(nogil=True, cache=True)
 def _pack_a(x, ks, kel):
-    """x [M, ks * kel] -> [2 * ceil(M / 32), ks, 16, kel]: every A tile as 1 KiB, zero-padded rows."""
+    """x [M, ks * kel] -> [2 * ceil(M / 32), ks, 16, kel]: every A tile as 1 KiB, zero-padded rows.
+
+    kel * itemsize must be 64 (int8: 64, bf16 bits: 32)."""
     m_all = x.shape[0]
+    xel = x.strides[0] // x.itemsize
     mt = (m_all + 31) // 32 * 2
-    a = np.zeros((mt, ks, 16, kel), x.dtype)
+    a = np.empty((mt, ks, 16, kel), x.dtype)
+    for m in range(m_all, mt * 16):  # padding rows only
+        for s in range(ks):
+            for c in range(kel):
+                a[m // 16, s, m % 16, c] = 0
     for m in range(m_all):
         t = m // 16
         i = m % 16
         for s in range(ks):
-            for c in range(kel):
-                a[t, s, i, c] = x[m, s * kel + c]
+            copy64(a, ((t * ks + s) * 16 + i) * kel, x, m * xel + s * kel)
     return a
 
 
 @njit(nogil=True, cache=True)
-def _unpack_int4(dflat, src_line, nlines, dst, dst_off):
-    """INT4 lines -> signed int8 k4 rows: line j gives rows 2j (low nibbles) and 2j+1 (high).
-
-    dflat: the packed uint8 data, flat; src_line: first line (64 B) to read; dst: int8 flat scratch.
-    """
+def _unpack_int4(data, src_line, nlines, dst, dst_off):
+    """INT4 lines [src_line, src_line + nlines) of ``data`` (uint8, flat line index) -> signed int8
+    k4 rows of ``dst`` from byte dst_off: line j gives rows 2j (low nibbles) and 2j+1 (high)."""
     for j in range(nlines):
-        s = (src_line + j) * 64
-        o = dst_off + j * 128
-        for c in range(64):
-            v = np.int32(dflat[s + c])
-            dst[o + c] = (v & 15) - 8
-            dst[o + 64 + c] = (v >> 4) - 8
+        unpack_int4_line(data, (src_line + j) * 64, dst, dst_off + j * 128)
 
 
 # ----------------------------------------------------------------------------- INT8
 
 @njit(nogil=True, cache=True)
-def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
-    """Small-M INT8: out[m, n] = xs[m] * scale[n] * sum_k xq[m, k] q[n, k] for n in blocks [nb0, nb1).
-
-    xq int8 [M, d_pad]; xs fp32 [M]; data int8 [NB, d_pad/4, 16, 4]; scale fp32 [n_pad];
-    wsum unused (signed x signed needs no compensation); out fp32 [M, >= 16 nb1].
-    """
+def gemv_int8_pf(xq, xs, data, scale, out, nb0, nb1, pf):
+    """``gemv_int8`` with an explicit B prefetch distance of pf k-steps (0: none)."""
     m_all = xq.shape[0]
     ks = xq.shape[1] // 64
     xst = xq.strides[0]
+    ost = out.strides[0] // 4
     blk = data.shape[1] * 64
     cfg = np.zeros(64, np.uint8)
     cb = np.empty((16, 64), np.int32)
@@ -113,7 +127,7 @@ def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     for m0 in range(0, m_all, 16):
         r = min(16, m_all - m0)
         if r != rows_cfg:
-            _config(cfg, r, 64)
+            _config_gemv(cfg, r, 64)
             rows_cfg = r
         xo = m0 * xst
         for b in range(nb0, nb1, 4):
@@ -124,18 +138,23 @@ def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
             tilezero(2)
             tilezero(3)
             for s in range(ks):
+                if pf > 0 and s + pf < ks:
+                    for q in range(nq):
+                        pb = o + q * blk + (s + pf) * 1024
+                        for ln in range(16):
+                            prefetch_l1(data, pb + 64 * ln)
                 tileloadd64(4, xq, xo + 64 * s, xst)
-                tileloadd64(6, data, o + 1024 * s, 64)
-                tdpbssd(0, 4, 6)
+                tileloadd64(5, data, o + 1024 * s, 64)
+                tdpbssd(0, 4, 5)
                 if nq > 1:
-                    tileloadd64(7, data, o + blk + 1024 * s, 64)
-                    tdpbssd(1, 4, 7)
+                    tileloadd64(6, data, o + blk + 1024 * s, 64)
+                    tdpbssd(1, 4, 6)
                 if nq > 2:
-                    tileloadd64(6, data, o + 2 * blk + 1024 * s, 64)
-                    tdpbssd(2, 4, 6)
+                    tileloadd64(7, data, o + 2 * blk + 1024 * s, 64)
+                    tdpbssd(2, 4, 7)
                 if nq > 3:
-                    tileloadd64(7, data, o + 3 * blk + 1024 * s, 64)
-                    tdpbssd(3, 4, 7)
+                    tileloadd64(5, data, o + 3 * blk + 1024 * s, 64)
+                    tdpbssd(3, 4, 5)
             tilestored64(0, cb, 0, 256)
             if nq > 1:
                 tilestored64(1, cb, 16, 256)
@@ -146,17 +165,29 @@ def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
             n0 = 16 * b
             for i in range(r):
                 xm = xs[m0 + i]
-                for j in range(16 * nq):
-                    out[m0 + i, n0 + j] = np.float32(cb[i, j]) * xm * scale[n0 + j]
+                for q in range(nq):
+                    row16_scale_store(out, (m0 + i) * ost + n0 + 16 * q, cb, i * 64 + 16 * q,
+                                      scale, n0 + 16 * q, xm)
     tilerelease()
 
 
 @njit(nogil=True, cache=True)
-def gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, mc, kcs):
+def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
+    """Small-M INT8: out[m, n] = xs[m] * scale[n] * sum_k xq[m, k] q[n, k] for n in blocks [nb0, nb1).
+
+    xq int8 [M, d_pad]; xs fp32 [M]; data int8 [NB, d_pad/4, 16, 4]; scale fp32 [n_pad];
+    wsum unused (signed x signed needs no compensation); out fp32 [M, >= 16 nb1].
+    """
+    gemv_int8_pf(xq, xs, data, scale, out, nb0, nb1, 4)
+
+
+@njit(nogil=True, cache=True)
+def gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, mc, kcs, pf):
     """Large-M INT8 with explicit blocking: mc rows per M chunk (multiple of 32), kcs 64-deep K
-    steps per K slice. Same result as ``gemv_int8``."""
+    steps per K slice, A prefetch distance pf k-steps (0: none). Same result as ``gemv_int8``."""
     m_all = xq.shape[0]
     ks = xq.shape[1] // 64
+    ost = out.strides[0] // 4
     blk = data.shape[1] * 64
     ap = _pack_a(xq, ks, 64)
     mpad = ap.shape[0] * 16
@@ -187,6 +218,10 @@ def gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, mc, kcs):
                     a0 = (mp // 16) * ks * 1024
                     a1 = a0 + ks * 1024
                     for s in range(k0, k1):
+                        if pf > 0 and s + pf < k1:
+                            for ln in range(16):
+                                prefetch_l1(ap, a0 + (s + pf) * 1024 + 64 * ln)
+                                prefetch_l1(ap, a1 + (s + pf) * 1024 + 64 * ln)
                         tileloadd64(4, ap, a0 + s * 1024, 64)
                         tileloadd64(6, data, o0 + s * 1024, 64)
                         tdpbssd(0, 4, 6)
@@ -203,18 +238,20 @@ def gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, mc, kcs):
                         tilestored64(3, cp, (lr + 16) * 32 + 16, 128)
                     if k1 == ks:
                         n0 = 16 * b
-                        nc = 32 if two else 16
                         for i in range(min(32, m_all - mp)):
                             xm = xs[mp + i]
-                            for j in range(nc):
-                                out[mp + i, n0 + j] = np.float32(cp[lr + i, j]) * xm * scale[n0 + j]
+                            row16_scale_store(out, (mp + i) * ost + n0, cp, (lr + i) * 32,
+                                              scale, n0, xm)
+                            if two:
+                                row16_scale_store(out, (mp + i) * ost + n0 + 16, cp,
+                                                  (lr + i) * 32 + 16, scale, n0 + 16, xm)
     tilerelease()
 
 
 @njit(nogil=True, cache=True)
 def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     """Large-M INT8 (same contract as ``gemv_int8``): 2x2 tiles, L1/L2 blocking."""
-    gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 8)
+    gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 32, 0)
 
 
 # ----------------------------------------------------------------------------- INT4
@@ -232,8 +269,8 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     ng = xq.shape[1] // g
     m_all = xq.shape[0]
     xst = xq.strides[0]
+    ost = out.strides[0] // 4
     lines = data.shape[1]
-    dflat = data.reshape(data.size)
     bs = np.empty(64 * g, np.int8)       # 4 blocks x G/4 k4 rows x 64 B
     cb = np.empty((16, 64), np.int32)
     acc = np.empty((16, 64), np.float32)
@@ -242,17 +279,15 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     for m0 in range(0, m_all, 16):
         r = min(16, m_all - m0)
         if r != rows_cfg:
-            _config(cfg, r, tk)
+            _config_gemv(cfg, r, tk)
             rows_cfg = r
         xo = m0 * xst
         for b in range(nb0, nb1, 4):
             nq = min(4, nb1 - b)
-            for i in range(r):
-                for j in range(64):
-                    acc[i, j] = 0.0
+            acc[:, :] = 0.0
             for gi in range(ng):
                 for q in range(nq):
-                    _unpack_int4(dflat, (b + q) * lines + gi * (g // 8), g // 8, bs, q * 16 * g)
+                    _unpack_int4(data, (b + q) * lines + gi * (g // 8), g // 8, bs, q * 16 * g)
                 tilezero(0)
                 tilezero(1)
                 tilezero(2)
@@ -261,17 +296,17 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
                     xk = xo + gi * g + t * tk
                     bo = t * tk * 16
                     tileloadd64(4, xq, xk, xst)
-                    tileloadd64(6, bs, bo, 64)
-                    tdpbssd(0, 4, 6)
+                    tileloadd64(5, bs, bo, 64)
+                    tdpbssd(0, 4, 5)
                     if nq > 1:
-                        tileloadd64(7, bs, 16 * g + bo, 64)
-                        tdpbssd(1, 4, 7)
+                        tileloadd64(6, bs, 16 * g + bo, 64)
+                        tdpbssd(1, 4, 6)
                     if nq > 2:
-                        tileloadd64(6, bs, 32 * g + bo, 64)
-                        tdpbssd(2, 4, 6)
+                        tileloadd64(7, bs, 32 * g + bo, 64)
+                        tdpbssd(2, 4, 7)
                     if nq > 3:
-                        tileloadd64(7, bs, 48 * g + bo, 64)
-                        tdpbssd(3, 4, 7)
+                        tileloadd64(5, bs, 48 * g + bo, 64)
+                        tdpbssd(3, 4, 5)
                 tilestored64(0, cb, 0, 256)
                 if nq > 1:
                     tilestored64(1, cb, 16, 256)
@@ -280,14 +315,14 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
                 if nq > 3:
                     tilestored64(3, cb, 48, 256)
                 for q in range(nq):
+                    so = ((b + q) * ng + gi) * 16
                     for i in range(r):
-                        for j in range(16):
-                            acc[i, 16 * q + j] += scale[b + q, gi, j] * np.float32(cb[i, 16 * q + j])
+                        row16_fma(acc, i * 64 + 16 * q, cb, i * 64 + 16 * q, scale, so)
             n0 = 16 * b
             for i in range(r):
                 xm = xs[m0 + i]
-                for j in range(16 * nq):
-                    out[m0 + i, n0 + j] = acc[i, j] * xm
+                for q in range(nq):
+                    row16_mul_store(out, (m0 + i) * ost + n0 + 16 * q, acc, i * 64 + 16 * q, xm)
     tilerelease()
 
 
@@ -301,8 +336,9 @@ def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc):
     m_all = xq.shape[0]
     d_pad = xq.shape[1]
     ks = d_pad // 64
+    ng = d_pad // g
+    ost = out.strides[0] // 4
     lines = data.shape[1]
-    dflat = data.reshape(data.size)
     ap = _pack_a(xq, ks, 64)
     mpad = ap.shape[0] * 16
     bs = np.empty(32 * kc, np.int8)      # 2 blocks x kc/4 k4 rows x 64 B
@@ -316,16 +352,14 @@ def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc):
             two = b + 1 < nb1
             for k0 in range(0, d_pad, kc):
                 k1 = min(k0 + kc, d_pad)
-                _unpack_int4(dflat, b * lines + k0 // 8, (k1 - k0) // 8, bs, 0)
+                _unpack_int4(data, b * lines + k0 // 8, (k1 - k0) // 8, bs, 0)
                 if two:
-                    _unpack_int4(dflat, (b + 1) * lines + k0 // 8, (k1 - k0) // 8, bs, 16 * kc)
+                    _unpack_int4(data, (b + 1) * lines + k0 // 8, (k1 - k0) // 8, bs, 16 * kc)
                 for mp in range(mc0, mc1, 32):
                     lr = mp - mc0
                     rv = min(32, m_all - mp)
                     if k0 == 0:
-                        for i in range(32):
-                            for j in range(32):
-                                acc[lr + i, j] = 0.0
+                        acc[lr:lr + 32, :] = 0.0
                     t0 = mp // 16
                     for gi in range(k0 // g, k1 // g):
                         tilezero(0)
@@ -350,21 +384,21 @@ def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc):
                         if two:
                             tilestored64(1, cb, 16, 128)
                             tilestored64(3, cb, 528, 128)
+                        s0 = (b * ng + gi) * 16
                         for i in range(rv):
-                            for j in range(16):
-                                acc[lr + i, j] += scale[b, gi, j] * np.float32(cb[i, j])
+                            row16_fma(acc, (lr + i) * 32, cb, i * 32, scale, s0)
                         if two:
                             for i in range(rv):
-                                for j in range(16):
-                                    acc[lr + i, 16 + j] += (scale[b + 1, gi, j]
-                                                            * np.float32(cb[i, 16 + j]))
+                                row16_fma(acc, (lr + i) * 32 + 16, cb, i * 32 + 16, scale,
+                                          s0 + ng * 16)
                     if k1 == d_pad:
                         n0 = 16 * b
-                        nc = 32 if two else 16
                         for i in range(rv):
                             xm = xs[mp + i]
-                            for j in range(nc):
-                                out[mp + i, n0 + j] = acc[lr + i, j] * xm
+                            row16_mul_store(out, (mp + i) * ost + n0, acc, (lr + i) * 32, xm)
+                            if two:
+                                row16_mul_store(out, (mp + i) * ost + n0 + 16, acc,
+                                                (lr + i) * 32 + 16, xm)
     tilerelease()
 
 
@@ -378,15 +412,13 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
 # ----------------------------------------------------------------------------- BF16
 
 @njit(nogil=True, cache=True)
-def gemv_bf16(xb, data, out, nb0, nb1):
-    """Small-M BF16: out[m, n] = sum_k bf16(x[m, k]) bf16(w[n, k]) with fp32 accumulation.
-
-    xb uint16 [M, d_pad] (bf16 bits); data uint16 [NB, d_pad/2, 16, 2]; out fp32 [M, >= 16 nb1].
-    """
+def gemv_bf16_pf(xb, data, out, nb0, nb1, pf):
+    """``gemv_bf16`` with an explicit B prefetch distance of pf k-steps (0: none)."""
     m_all = xb.shape[0]
     ks = xb.shape[1] // 32
     xst = xb.strides[0]
     xel = xst // 2
+    ost = out.strides[0] // 4
     blk = data.shape[1] * 32
     cfg = np.zeros(64, np.uint8)
     cb = np.empty((16, 64), np.float32)
@@ -394,7 +426,7 @@ def gemv_bf16(xb, data, out, nb0, nb1):
     for m0 in range(0, m_all, 16):
         r = min(16, m_all - m0)
         if r != rows_cfg:
-            _config(cfg, r, 64)
+            _config_gemv(cfg, r, 64)
             rows_cfg = r
         xo = m0 * xel
         for b in range(nb0, nb1, 4):
@@ -405,18 +437,23 @@ def gemv_bf16(xb, data, out, nb0, nb1):
             tilezero(2)
             tilezero(3)
             for s in range(ks):
+                if pf > 0 and s + pf < ks:
+                    for q in range(nq):
+                        pb = o + q * blk + (s + pf) * 512
+                        for ln in range(16):
+                            prefetch_l1(data, pb + 32 * ln)
                 tileloadd64(4, xb, xo + 32 * s, xst)
-                tileloadd64(6, data, o + 512 * s, 64)
-                tdpbf16ps(0, 4, 6)
+                tileloadd64(5, data, o + 512 * s, 64)
+                tdpbf16ps(0, 4, 5)
                 if nq > 1:
-                    tileloadd64(7, data, o + blk + 512 * s, 64)
-                    tdpbf16ps(1, 4, 7)
+                    tileloadd64(6, data, o + blk + 512 * s, 64)
+                    tdpbf16ps(1, 4, 6)
                 if nq > 2:
-                    tileloadd64(6, data, o + 2 * blk + 512 * s, 64)
-                    tdpbf16ps(2, 4, 6)
+                    tileloadd64(7, data, o + 2 * blk + 512 * s, 64)
+                    tdpbf16ps(2, 4, 7)
                 if nq > 3:
-                    tileloadd64(7, data, o + 3 * blk + 512 * s, 64)
-                    tdpbf16ps(3, 4, 7)
+                    tileloadd64(5, data, o + 3 * blk + 512 * s, 64)
+                    tdpbf16ps(3, 4, 5)
             tilestored64(0, cb, 0, 256)
             if nq > 1:
                 tilestored64(1, cb, 16, 256)
@@ -426,17 +463,28 @@ def gemv_bf16(xb, data, out, nb0, nb1):
                 tilestored64(3, cb, 48, 256)
             n0 = 16 * b
             for i in range(r):
-                for j in range(16 * nq):
-                    out[m0 + i, n0 + j] = cb[i, j]
+                for q in range(nq):
+                    copy64(out, (m0 + i) * ost + n0 + 16 * q, cb, i * 64 + 16 * q)
     tilerelease()
 
 
 @njit(nogil=True, cache=True)
-def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs):
+def gemv_bf16(xb, data, out, nb0, nb1):
+    """Small-M BF16: out[m, n] = sum_k bf16(x[m, k]) bf16(w[n, k]) with fp32 accumulation.
+
+    xb uint16 [M, d_pad] (bf16 bits); data uint16 [NB, d_pad/2, 16, 2]; out fp32 [M, >= 16 nb1].
+    """
+    gemv_bf16_pf(xb, data, out, nb0, nb1, 4)
+
+
+@njit(nogil=True, cache=True)
+def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
     """Large-M BF16 with explicit blocking: mc rows per M chunk (multiple of 32), kcs 32-deep K
-    steps per K slice. Same result as ``gemv_bf16`` up to fp32 summation order."""
+    steps per K slice, A prefetch distance pf k-steps. Same result as ``gemv_bf16`` up to fp32
+    summation order."""
     m_all = xb.shape[0]
     ks = xb.shape[1] // 32
+    ost = out.strides[0] // 4
     blk = data.shape[1] * 32
     ap = _pack_a(xb, ks, 32)
     mpad = ap.shape[0] * 16
@@ -467,6 +515,10 @@ def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs):
                     a0 = (mp // 16) * ks * 512
                     a1 = a0 + ks * 512
                     for s in range(k0, k1):
+                        if pf > 0 and s + pf < k1:
+                            for ln in range(16):
+                                prefetch_l1(ap, a0 + (s + pf) * 512 + 32 * ln)
+                                prefetch_l1(ap, a1 + (s + pf) * 512 + 32 * ln)
                         tileloadd64(4, ap, a0 + s * 512, 64)
                         tileloadd64(6, data, o0 + s * 512, 64)
                         tdpbf16ps(0, 4, 6)
@@ -483,17 +535,17 @@ def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs):
                         tilestored64(3, cp, (lr + 16) * 32 + 16, 128)
                     if k1 == ks:
                         n0 = 16 * b
-                        nc = 32 if two else 16
                         for i in range(min(32, m_all - mp)):
-                            for j in range(nc):
-                                out[mp + i, n0 + j] = cp[lr + i, j]
+                            copy64(out, (mp + i) * ost + n0, cp, (lr + i) * 32)
+                            if two:
+                                copy64(out, (mp + i) * ost + n0 + 16, cp, (lr + i) * 32 + 16)
     tilerelease()
 
 
 @njit(nogil=True, cache=True)
 def gemm_bf16(xb, data, out, nb0, nb1):
     """Large-M BF16 (same contract as ``gemv_bf16``): 2x2 tiles, L1/L2 blocking."""
-    gemm_bf16_blocked(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 8)
+    gemm_bf16_blocked(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 32, 0)
 
 
 # ----------------------------------------------------------------------------- roofline

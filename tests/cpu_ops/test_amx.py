@@ -338,6 +338,38 @@ class TileUnit:
             assert 0 <= s and s + self.colsb[t] <= b.size, f"tilestored tile {t} row {r} out of bounds"
             b[s : s + self.colsb[t]] = self.reg[t, r, : self.colsb[t]]
 
+    # 64-byte row helpers (element indices from the array's start, as the intrinsics)
+    @staticmethod
+    def _flat(ary, i, n):
+        f = ary.reshape(-1)
+        assert ary.flags.c_contiguous and 0 <= i and i + n <= f.size, "row helper out of bounds"
+        return f[i : i + n]
+
+    def row16_scale_store(self, out, oi, c, ci, s, si, xm):
+        r = (self._flat(c, ci, 16).astype(np.float32) * np.float32(xm)) * self._flat(s, si, 16)
+        self._flat(out, oi, 16)[:] = r
+
+    def row16_fma(self, acc, ai, c, ci, s, si):
+        a = self._flat(acc, ai, 16)
+        prod = self._flat(s, si, 16).astype(np.float64) * self._flat(c, ci, 16).astype(np.float64)
+        a[:] = (prod + a.astype(np.float64)).astype(np.float32)
+
+    def row16_mul_store(self, out, oi, a, ai, xm):
+        self._flat(out, oi, 16)[:] = self._flat(a, ai, 16) * np.float32(xm)
+
+    def copy64(self, dst, di, src, si):
+        n_dst, n_src = 64 // dst.itemsize, 64 // src.itemsize
+        self._flat(dst, di, n_dst).view(np.uint8)[:] = self._flat(src, si, n_src).view(np.uint8)
+
+    def unpack_int4_line(self, src, si, dst, di):
+        v = self._flat(src, si, 64).astype(np.int16)
+        d = self._flat(dst, di, 128)
+        d[:64] = (v & 15) - 8
+        d[64:] = (v >> 4) - 8
+
+    def prefetch_l1(self, ary, index):
+        pass  # a hint; never faults
+
     def _shapes(self, c, a, b):
         self._check(c, a, b)
         m, k = self.rows[a], self.colsb[a]
@@ -379,7 +411,8 @@ def emulated_kernels(monkeypatch):
     spec.loader.exec_module(mod)
     unit = TileUnit()
     for name in ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tilestored64",
-                 "tdpbssd", "tdpbf16ps"):
+                 "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_fma", "row16_mul_store",
+                 "copy64", "unpack_int4_line", "prefetch_l1"):
         setattr(mod, name, getattr(unit, name))
     mod.unit = unit
     monkeypatch.undo()
@@ -418,28 +451,45 @@ def test_emulated_kernels_match_reference(EK, op, scheme, g, m, n, d):
     assert_exact(np.zeros((m, p.n_pad - n), np.float32), out[:, n:], what="padding rows")
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
-def test_emulated_blocked_gemm_slices(EK, scheme):
-    """Small M chunks and K slices: partial sums cross slices and chunks, exactly as unsliced."""
+def _check_blocked(mod, scheme, pf):
+    """Small M chunks and K slices (partial sums cross slices and chunks) and prefetching give the
+    unsliced result exactly (integer schemes) or within the fp32 summation bound (BF16)."""
     scheme = QuantScheme.parse(scheme)
     m, n, d = 70, 80, 256
     x, w = _inputs(m, n, d, seed=3)
     p = pack(w, scheme, 64)
     nb = p.num_blocks
-    whole = _run(EK, scheme, "gemm", x, p)
+    whole = _run(mod, scheme, "gemm", x, p)
     out = np.full((m, p.n_pad), np.nan, np.float32)
     if scheme is QuantScheme.BF16:
         xb = _pad_cols(ref.f32_to_bf16_bits(x), p.d_pad)
-        EK.gemm_bf16_blocked(xb, p.data, out, 0, nb, 32, 1)
-        # fp32 sums split differently: same bound as the sweep
+        mod.gemm_bf16_blocked(xb, p.data, out, 0, nb, 32, 1, pf)
         xr, wr = ref.bf16_round(x), ref.dequantize(ref.quantize(w, "bf16"))
         bound = d * U * (np.abs(xr).astype(np.float64) @ np.abs(wr).astype(np.float64).T)
         _check_within(ref.linear(xr, wr), out[:, :n], bound, "bf16 sliced")
+        gv = np.full((m, p.n_pad), np.nan, np.float32)
+        mod.gemv_bf16_pf(xb, p.data, gv, 0, nb, pf)
+        _check_within(ref.linear(xr, wr), gv[:, :n], bound, f"bf16 gemv pf={pf}")
         return
     xq, xs = ref.quantize_act(x)
     xq = _pad_cols(xq, p.d_pad)
     if scheme is QuantScheme.INT8:
-        EK.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, 32, 1)
+        mod.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, 32, 1, pf)
+        gv = np.full((m, p.n_pad), np.nan, np.float32)
+        mod.gemv_int8_pf(xq, xs, p.data, p.scale, gv, 0, nb, pf)
+        assert_exact(whole, gv, what=f"int8 gemv pf={pf} vs gemm")
     else:
-        EK.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64)
+        mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64)
     assert_exact(whole, out, what=f"{scheme.value} sliced vs whole")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
+def test_emulated_blocked_gemm_slices(EK, scheme):
+    _check_blocked(EK, scheme, pf=2)
+
+
+@needs_amx
+@pytest.mark.parametrize("pf", [0, 1, 3])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
+def test_blocked_gemm_slices_and_prefetch(K, scheme, pf):
+    _check_blocked(K, scheme, pf)
