@@ -39,11 +39,13 @@ DRY_SHAPES = {"tiny": dict(E=8, K=2, H=64, I=32, S=4)}
 
 # (block_m, block_n, block_k, group_m, num_warps, num_stages)
 SMALL = [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 16, 256, 1, 4, 4), (16, 32, 256, 1, 4, 3),
-         (16, 64, 64, 1, 4, 5), (16, 128, 128, 1, 4, 3)]
+         (16, 64, 64, 1, 4, 5), (16, 128, 128, 1, 4, 3), (16, 32, 128, 1, 2, 4), (16, 16, 128, 1, 2, 5),
+         (16, 64, 256, 1, 4, 3)]
 MID = [(32, 64, 128, 4, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (32, 128, 64, 4, 4, 4),
-       (64, 64, 128, 8, 4, 3), (16, 64, 128, 1, 4, 4)]
+       (64, 64, 128, 8, 4, 3), (16, 64, 128, 1, 4, 4), (32, 64, 64, 4, 4, 5), (64, 128, 64, 8, 8, 3)]
 LARGE = [(64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4),
-         (64, 128, 128, 8, 8, 3), (128, 64, 128, 8, 8, 3)]
+         (128, 64, 128, 8, 8, 3), (128, 128, 64, 8, 8, 4), (64, 64, 128, 8, 4, 3), (128, 128, 32, 8, 4, 4),
+         (64, 128, 64, 8, 8, 3)]
 CANDIDATES = {1: SMALL, 7: SMALL, 64: SMALL + [(32, 64, 128, 4, 4, 4)], 512: MID, 4096: LARGE}
 
 
@@ -176,8 +178,6 @@ def graph_of(torch, fn):
 
 def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
     from kt.gpu_ops import MoEConfig, fused_moe, pick_config
-    from kt.gpu_ops.moe import align_by_slot
-
     dev = "cpu" if dry else "cuda"
     table = {}
     for name, sh in shapes.items():
@@ -275,18 +275,21 @@ def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
                     sp["hbm_fraction"] = weight_bytes / sec / c["hbm_bytes_per_s"]
                     sp["bf16_peak_fraction"] = flops / sec / c["bf16_flops_per_s"]
                     table.setdefault(f"H{sh['H']}_I{sh['I']}_{dtype}", {})[str(t)] = best["config"]
-                    # alignment alone (the three small kernels), for the breakdown
+                    # breakdown: each stage alone, and the fixed floor (every id -1: no tile runs)
                     try:
-                        bm = best["config"]["block_m"]
-                        g, _ = graph_of(torch, lambda: align_by_slot(ids, e2s, sh["S"], bm))
-                        sp["align_us"] = do_bench(g.replay, warmup=5, rep=20, return_mode="median") * 1e3
-                        del g
+                        sp.update(stage_times(torch, do_bench, x, ids, w, e2s, wts, sh, MoEConfig(**best["config"])))
+                        sec_g = (sp["gate_up_us"] + sp["down_us"]) * 1e-6
+                        sp["hbm_fraction_gemms_only"] = weight_bytes / sec_g / c["hbm_bytes_per_s"]
+                        sp["bf16_peak_fraction_gemms_only"] = flops / sec_g / c["bf16_flops_per_s"]
                     except Exception as e:
-                        sp["align_error"] = repr(e)[:300]
+                        sp["stage_error"] = repr(e)[:300]
+                        res.data["errors"].append(f"{key} stages: {traceback.format_exc()[-1500:]}")
                     log(f"  speed: best {best['us']:.1f} us {best['config']} (heuristic "
                         f"{sp.get('heuristic_us', float('nan')):.1f} us); HBM {sp['hbm_fraction'] * 100:.0f} % "
                         f"of {weight_bytes / 1e6:.1f} MB; bf16 peak {sp['bf16_peak_fraction'] * 100:.1f} %; "
-                        f"align {sp.get('align_us', float('nan')):.1f} us")
+                        f"stages align/gate_up/down/combine {sp.get('align_us', float('nan')):.1f}/"
+                        f"{sp.get('gate_up_us', float('nan')):.1f}/{sp.get('down_us', float('nan')):.1f}/"
+                        f"{sp.get('combine_us', float('nan')):.1f} us, floor {sp.get('floor_us', float('nan')):.1f} us")
                 res.data["speed"].append(sp)
                 res.save()
             del wts, w13f, w2f
@@ -294,6 +297,33 @@ def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
                 torch.cuda.empty_cache()
     res.data["tuned_table"] = table
     return table
+
+
+def stage_times(torch, do_bench, x, ids, w, e2s, wts, sh, cfg):
+    """Median graph-replay time of each stage of fused_moe alone, and of the whole op with every id -1."""
+    from kt.gpu_ops import fused_moe
+    from kt.gpu_ops import moe as M
+
+    def t_us(fn):
+        g, _ = graph_of(torch, fn)
+        v = do_bench(g.replay, warmup=5, rep=20, return_mode="median") * 1e3
+        del g
+        return v
+
+    slot32, sid, bsl, npad = M.align_by_slot(ids, e2s, sh["S"], cfg.block_m)
+    cdt = M._compute_dtype(x.dtype, wts["w13"].dtype)
+    programs = M._PROGRAMS_PER_SM * M._num_sms(torch.cuda.current_device())
+    hb = M.gate_up(x, wts["w13"], wts.get("w13_scale"), sid, bsl, npad, sh["K"], cfg, cdt, programs)
+    yy = M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg, programs)
+    out = torch.empty_like(x)
+    none = torch.full_like(ids, -1)
+    return dict(
+        align_us=t_us(lambda: M.align_by_slot(ids, e2s, sh["S"], cfg.block_m)),
+        gate_up_us=t_us(lambda: M.gate_up(x, wts["w13"], wts.get("w13_scale"), sid, bsl, npad, sh["K"], cfg,
+                                          cdt, programs)),
+        down_us=t_us(lambda: M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg, programs)),
+        combine_us=t_us(lambda: M.combine(yy, slot32, out)),
+        floor_us=t_us(lambda: fused_moe(x, none, w, e2s, **wts, config=cfg)))
 
 
 # ----------------------------------------------------------------------------- stream sync

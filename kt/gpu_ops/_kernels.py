@@ -6,8 +6,10 @@ Only @triton.jit code lives here; kt/gpu_ops/moe.py checks, allocates, picks the
 Legend: T tokens, K top-k, H hidden, I intermediate, S GPU expert slots, N = T*K token-slots.
 A "token-slot" n = t*K + k is one (token, choice) pair. The wrapper sorts token-slots by expert slot into
 blocks of BLOCK_M rows (`sorted_ids`, padded with the sentinel N) and gives each block its slot
-(`block_slot`); `num_padded[0]` is how many rows of `sorted_ids` are in use. Blocks past it return at once,
-so the grid can be sized from the worst case and nothing is read back to the host.
+(`block_slot`); `num_padded[0]` is how many rows of `sorted_ids` are in use. The GEMM kernels are persistent:
+a fixed grid (about a few programs per SM) loops over the tiles of the row blocks in use, read from
+`num_padded` on the device, so nothing is read back to the host and no program is spent on the
+worst-case padding of the grid (most token-slots of a hybrid layer are on the CPU).
 
 Compute dtype code CT: 0 fp32, 1 fp16, 2 bf16. UPCAST (interpreter only) does every dot in fp32, because
 the interpreter keeps bf16 as raw bits and a bf16 tl.dot there is silently wrong.
@@ -45,7 +47,7 @@ def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def gate_up_kernel(
     x_ptr, w13_ptr, s13_ptr, h_ptr,
     sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
-    num_valid, num_blocks, H, I, top_k,
+    num_valid, H, I, top_k,
     stride_xt, stride_xh,
     stride_we, stride_wn, stride_wh,
     stride_se, stride_sn,
@@ -56,13 +58,12 @@ def gate_up_kernel(
     """h[n, :] = silu(gate_s x_t) * (up_s x_t) for every token-slot n = t*K + k routed to slot s.
 
     x [T, H]; w13 [S, 2I, H] (gate rows, then up rows); s13 [S, 2I] fp32 (INT8_W only);
-    h [N, I] in the compute dtype. Program: BLOCK_M sorted rows x BLOCK_N columns of gate and of up.
+    h [N, I] in the compute dtype. Tile: BLOCK_M sorted rows x BLOCK_N columns of gate and of up.
     """
-    pid = tl.program_id(0)
+    num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _tile_ids(pid, num_blocks, num_pid_n, GROUP_M)
-    num_padded = tl.load(num_padded_ptr)
-    if pid_m * BLOCK_M < num_padded:
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
+        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
         slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         tok_slot = tl.load(sorted_ids_ptr + offs_m)
@@ -106,7 +107,7 @@ def gate_up_kernel(
 def down_kernel(
     h_ptr, w2_ptr, s2_ptr, y_ptr, topk_w_ptr,
     sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
-    num_valid, num_blocks, H, I,
+    num_valid, H, I,
     stride_hm, stride_hi,
     stride_we, stride_wn, stride_wi,
     stride_se, stride_sn,
@@ -119,11 +120,10 @@ def down_kernel(
     h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only); topk_w [N] fp32; y [N, H] fp32.
     Rows of y whose token-slot is not on the GPU are left unwritten (the combine never reads them).
     """
-    pid = tl.program_id(0)
+    num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = _tile_ids(pid, num_blocks, num_pid_n, GROUP_M)
-    num_padded = tl.load(num_padded_ptr)
-    if pid_m * BLOCK_M < num_padded:
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
+        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
         slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         tok_slot = tl.load(sorted_ids_ptr + offs_m)
@@ -188,10 +188,7 @@ def combine_kernel(
 # result: each row's dot products do not depend on the other rows of its tile.
 
 @triton.jit
-def slot_count_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, N, E, S, BLOCK: tl.constexpr):
-    """slot[n] = expert_to_slot[ids[n]] (-1 when the id is -1 / out of [0, E) or the slot is out of
-    [0, S)); counts[s] += number of token-slots of slot s. ids [N] int; e2s [E] int32; slot [N] int32."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _count_chunk(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, offs, N, E, S, BLOCK: tl.constexpr):
     m = offs < N
     e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
     ok = m & (e >= 0) & (e < E)
@@ -203,13 +200,11 @@ def slot_count_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, N, E, S, BLOCK: tl
 
 
 @triton.jit
-def slot_offsets_kernel(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr,
-                        N, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """One program. cursor[s] = first row of slot s (each slot's rows padded to BLOCK_M);
-    num_padded[0] = rows in use; block_slot[b] = slot of row block b; sorted_ids[:] = N (sentinel)."""
+def _offsets(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr,
+             N, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     offs_s = tl.arange(0, SP2)
     ms = offs_s < S
-    c = tl.load(counts_ptr + offs_s, mask=ms, other=0)
+    c = tl.load(counts_ptr + offs_s, mask=ms, other=0, volatile=True)
     padded = (c + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, 0)
     tl.store(cursor_ptr + offs_s, end - padded, mask=ms)
@@ -226,11 +221,51 @@ def slot_offsets_kernel(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, 
 
 
 @triton.jit
-def slot_scatter_kernel(slot_ptr, cursor_ptr, sorted_ids_ptr, N, BLOCK: tl.constexpr):
-    """sorted_ids[cursor[slot[n]]++] = n for every token-slot n on the GPU."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _scatter_chunk(slot_ptr, cursor_ptr, sorted_ids_ptr, offs, N, BLOCK: tl.constexpr):
     m = offs < N
-    s = tl.load(slot_ptr + offs, mask=m, other=-1)
+    s = tl.load(slot_ptr + offs, mask=m, other=-1, volatile=True)
     on = m & (s >= 0)
     pos = tl.atomic_add(cursor_ptr + tl.where(on, s, 0), tl.full((BLOCK,), 1, tl.int32), mask=on)
     tl.store(sorted_ids_ptr + tl.where(on, pos, 0), offs, mask=on)
+
+
+@triton.jit
+def slot_count_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, N, E, S, BLOCK: tl.constexpr):
+    """slot[n] = expert_to_slot[ids[n]] (-1 when the id is -1 / out of [0, E) or the slot is out of
+    [0, S)); counts[s] += number of token-slots of slot s. ids [N] int; e2s [E] int32; slot [N] int32."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _count_chunk(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, offs, N, E, S, BLOCK)
+
+
+@triton.jit
+def slot_offsets_kernel(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr,
+                        N, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """One program. cursor[s] = first row of slot s (each slot's rows padded to BLOCK_M);
+    num_padded[0] = rows in use; block_slot[b] = slot of row block b; sorted_ids[:] = N (sentinel)."""
+    _offsets(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr, N, S, P, SP2, BLOCK_M, CHUNK)
+
+
+@triton.jit
+def slot_scatter_kernel(slot_ptr, cursor_ptr, sorted_ids_ptr, N, BLOCK: tl.constexpr):
+    """sorted_ids[cursor[slot[n]]++] = n for every token-slot n on the GPU."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _scatter_chunk(slot_ptr, cursor_ptr, sorted_ids_ptr, offs, N, BLOCK)
+
+
+@triton.jit
+def align_small_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr,
+                       sorted_ids_ptr, N, E, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """The three alignment steps in one program (one launch, for small N, e.g. decode), separated by
+    barriers; also zeroes counts itself. Flags and counters written by atomics are read back with
+    volatile loads."""
+    offs_s = tl.arange(0, SP2)
+    tl.store(counts_ptr + offs_s, tl.zeros((SP2,), tl.int32))
+    tl.debug_barrier()
+    for n0 in range(0, N, BLOCK):
+        _count_chunk(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, n0 + tl.arange(0, BLOCK), N, E, S, BLOCK)
+    tl.debug_barrier()
+    _offsets(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr, N, S, P, SP2, BLOCK_M, CHUNK)
+    tl.debug_barrier()
+    for n0 in range(0, N, BLOCK):
+        _scatter_chunk(slot_ptr, cursor_ptr, sorted_ids_ptr, n0 + tl.arange(0, BLOCK), N, BLOCK)

@@ -20,6 +20,9 @@ _CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _WNAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "int8"}
 
 _kernels_mod = None
+_ALIGN_ONE_PROGRAM_MAX_N = 4096  # token-slots up to which the alignment runs as one program
+_PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer if there are fewer tiles)
+_INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
 
 
 def _kernels():
@@ -38,6 +41,11 @@ def _kernels():
 @lru_cache(maxsize=None)
 def _device_table(index: int) -> dict:
     return load_table(table_name(torch.cuda.get_device_name(index)))
+
+
+@lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def kernels_interpreted() -> bool:
@@ -65,16 +73,23 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     sp2 = max(16, 1 << max(s - 1, 0).bit_length())
     ids = topk_ids.reshape(n)
     e2s = expert_to_slot.to(torch.int32)
-    scratch = torch.zeros(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor
+    scratch = torch.empty(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor
     counts, cursor = scratch[:sp2], scratch[sp2:]
     slot = torch.empty(n, dtype=torch.int32, device=dev)
     sorted_ids = torch.empty(p, dtype=torch.int32, device=dev)
     block_slot = torch.empty(p // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     blk = 1024
+    chunk = 64 if sp2 <= 256 else 16
+    if n <= _ALIGN_ONE_PROGRAM_MAX_N:
+        # Decode-sized: one launch (the kernel zeroes its own counters).
+        kern.align_small_kernel[(1,)](ids, e2s, slot, counts, cursor, block_slot, num_padded, sorted_ids,
+                                      n, e2s.numel(), s, p, SP2=sp2, BLOCK_M=block_m, BLOCK=blk, CHUNK=chunk)
+        return slot, sorted_ids, block_slot, num_padded
+    counts.zero_()
     kern.slot_count_kernel[(-(-n // blk),)](ids, e2s, slot, counts, n, e2s.numel(), s, BLOCK=blk)
     kern.slot_offsets_kernel[(1,)](counts, cursor, block_slot, num_padded, sorted_ids, n, s, p,
-                                   SP2=sp2, BLOCK_M=block_m, CHUNK=64 if sp2 <= 256 else 16)
+                                   SP2=sp2, BLOCK_M=block_m, CHUNK=chunk)
     kern.slot_scatter_kernel[(-(-n // blk),)](slot, cursor, sorted_ids, n, BLOCK=blk)
     return slot, sorted_ids, block_slot, num_padded
 
@@ -172,46 +187,79 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         raise RuntimeError("fused_moe: kernels were set up under TRITON_INTERPRET=1 and cannot take CUDA "
                            "tensors in this process")
     if config is None:
-        table = _device_table(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-            if x.device.type == "cuda" else {}
+        table = _device_table(_dev_index(x.device)) if x.device.type == "cuda" else {}
         config = pick_config(t, k, s, h, inter, _WNAME[w13.dtype], table)
     if s == 0 or inter == 0 or k == 0:
         return out.zero_()
 
-    dev = x.device
-    n = t * k
-    bm = config.block_m
-    slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s, bm)
-    num_blocks = block_slot.numel()
-
+    slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s,
+                                                               config.block_m)
     cdt = _compute_dtype(x.dtype, w13.dtype)
-    ct = _CT[cdt]
+    programs = _INTERPRETER_PROGRAMS if interp else _PROGRAMS_PER_SM * _num_sms(_dev_index(x.device))
+    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs)
+    y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs)
+    combine(y, slot32, out)
+    return out
+
+
+def _dev_index(device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _grid(block_slot, inter_or_h, config, programs):
+    # Worst-case tiles (every row block in use) bound the persistent grid.
+    return (max(1, min(programs, block_slot.numel() * -(-inter_or_h // config.block_n))),)
+
+
+def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config, compute_dtype, programs):
+    """h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left unwritten)."""
+    kern = _kernels()
+    t = x.shape[0]
+    n = t * top_k
+    inter = w13.shape[1] // 2
     int8w = w13.dtype == torch.int8
     xc = x.contiguous()
-    rw = topk_weights.reshape(n).to(torch.float32).contiguous()
-    hbuf = torch.empty((n, inter), dtype=cdt, device=dev)
-    y = torch.empty((n, h), dtype=torch.float32, device=dev)
+    hbuf = torch.empty((n, inter), dtype=compute_dtype, device=x.device)
     s13 = w13_scale if int8w else w13  # any tensor: not read when INT8_W is off
-    s2 = w2_scale if int8w else w2
     s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
-    s2_strides = (s2.stride(0), s2.stride(1)) if int8w else (0, 0)
-    meta = dict(BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                INT8_W=int8w, CT=ct, UPCAST=interp, num_warps=config.num_warps, num_stages=config.num_stages)
-
-    grid = (num_blocks * -(-inter // config.block_n),)
-    kern.gate_up_kernel[grid](
+    kern.gate_up_kernel[_grid(block_slot, inter, config, programs)](
         xc, w13, s13, hbuf, sorted_ids, block_slot, num_padded,
-        n, num_blocks, h, inter, k,
+        n, x.shape[1], inter, top_k,
         xc.stride(0), xc.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        *s13_strides, hbuf.stride(0), hbuf.stride(1), **meta)
-    grid = (num_blocks * -(-h // config.block_n),)
-    kern.down_kernel[grid](
+        *s13_strides, hbuf.stride(0), hbuf.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        INT8_W=int8w, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return hbuf
+
+
+def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs):
+    """y [N, H] fp32 = topk_weight * (w2 @ h) per GPU token-slot (other rows left unwritten)."""
+    kern = _kernels()
+    n, inter = hbuf.shape
+    h = w2.shape[1]
+    int8w = w2.dtype == torch.int8
+    rw = topk_weights.reshape(n).to(torch.float32).contiguous()
+    y = torch.empty((n, h), dtype=torch.float32, device=hbuf.device)
+    s2 = w2_scale if int8w else w2
+    s2_strides = (s2.stride(0), s2.stride(1)) if int8w else (0, 0)
+    kern.down_kernel[_grid(block_slot, h, config, programs)](
         hbuf, w2, s2, y, rw, sorted_ids, block_slot, num_padded,
-        n, num_blocks, h, inter,
+        n, h, inter,
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        *s2_strides, y.stride(0), y.stride(1), **meta)
+        *s2_strides, y.stride(0), y.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        INT8_W=int8w, CT=_CT[hbuf.dtype], UPCAST=kernels_interpreted(),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return y
+
+
+def combine(y, slot32, out):
+    """out [T, H] = sum over k of y[t*K + k] where slot32[t*K + k] >= 0 (fp32, fixed order)."""
+    kern = _kernels()
+    t, h = out.shape
+    k = slot32.numel() // max(t, 1)
     block_h = min(1024, max(16, 1 << (h - 1).bit_length()))
     kern.combine_kernel[(t, -(-h // block_h))](
         y, slot32, out, h, k, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
         BLOCK_H=block_h, num_warps=4)
-    return out

@@ -56,7 +56,18 @@ def quant_int8(w):
     return q, sc, np.stack([R.dequantize(x) for x in qs])
 
 
-def fused_case(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac=0.1, config=None):
+def fused_case(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac=0.1, config=None, one_program=True):
+    from kt.gpu_ops import moe
+
+    saved = moe._ALIGN_ONE_PROGRAM_MAX_N
+    moe._ALIGN_ONE_PROGRAM_MAX_N = saved if one_program else -1
+    try:
+        return _fused_check(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac, config)
+    finally:
+        moe._ALIGN_ONE_PROGRAM_MAX_N = saved
+
+
+def _fused_check(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac, config):
     from kt.gpu_ops import MoEConfig, fused_moe
 
     gen = torch.Generator().manual_seed(seed)
@@ -115,10 +126,21 @@ def routed_case(device, ids_list, e2s_list, h, i, seed):
     return out.cpu()
 
 
-def align_case(device, t, k, e2s_list, block_m, seed):
-    """align_by_slot: every GPU token-slot exactly once, in a block of its own slot; padding = sentinel."""
-    from kt.gpu_ops.moe import align_by_slot
+def align_case(device, t, k, e2s_list, block_m, seed, one_program=True):
+    """align_by_slot: every GPU token-slot exactly once, in a block of its own slot; padding = sentinel.
 
+    one_program=False forces the three-launch path that large N takes."""
+    from kt.gpu_ops import moe
+
+    saved = moe._ALIGN_ONE_PROGRAM_MAX_N
+    moe._ALIGN_ONE_PROGRAM_MAX_N = saved if one_program else -1
+    try:
+        _align_check(device, t, k, e2s_list, block_m, seed, moe.align_by_slot)
+    finally:
+        moe._ALIGN_ONE_PROGRAM_MAX_N = saved
+
+
+def _align_check(device, t, k, e2s_list, block_m, seed, align_by_slot):
     gen = torch.Generator().manual_seed(seed)
     e2s = torch.tensor(e2s_list, dtype=torch.int32)
     e = e2s.numel()

@@ -75,10 +75,16 @@ def test_cpu_tensors_without_interpreter_is_a_clear_error():
     assert "ERR fused_moe: CPU tensors need the Triton interpreter" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-launch", "three-launch"])
 @pytest.mark.parametrize("t,k,e2s,bm", [(1, 2, E2S_A, 16), (37, 3, E2S_B, 16), (33, 4, E2S_A, 32),
                                       (0, 2, E2S_A, 16), (5, 2, [-1, -1, -1], 16)])
-def test_align_by_slot(run_case, t, k, e2s, bm):
-    run_case(_cases.align_case, t, k, e2s, bm, t + k + bm)
+def test_align_by_slot(run_case, t, k, e2s, bm, one_program):
+    run_case(_cases.align_case, t, k, e2s, bm, t + k + bm, one_program)
+
+
+def test_fused_moe_three_launch_alignment(run_case):
+    # Large-N alignment path (forced on a small case) feeding the GEMMs.
+    run_case(_cases.fused_case, 33, 8, 4, 64, 32, E2S_B, "bf16", 5, 0.1, None, False)
 
 
 def _args(device="cpu", t=3, k=2, h=64, i=32, s=2, e=4):
