@@ -9,7 +9,9 @@ Writes amx_device.json (and prints a table) into $OUT if set, else benchmarks/re
 3. every AMX kernel (gemv / gemm x INT8 / INT4 G=64,128 / BF16) at M in {1, 32, 512, 2048} for
    (N, D) = (1536, 2048) and (2048, 768), one thread, weights warm (repeated calls): min and median
    time, TOPS (2 M N D / t), fraction of the one-core peak of its instruction; first-call time
-   (compile or cache load) of each kernel; a small (mc, kc) sweep of the INT8 GEMM at M=512.
+   (compile, fresh cache) of each kernel;
+4. sweeps of the tuning arguments: (mc, kc, prefetch) of the large-M kernels at M=512, and the
+   B prefetch distance of the small-M kernels with warm and cold weights.
 Every section is guarded: a failure is recorded and the script carries on; the JSON is rewritten
 after each section, so a crash still leaves what was measured.
 """
@@ -304,30 +306,108 @@ def kernels():
             "note": "one thread; weights warm (repeated calls on the same matrix)"}
 
 
-@section("gemm_int8_blocking")
-def blocking_sweep():
+def _sweep_row(fn, ops, pk, **params):
+    tmin, tmed, _ = _time(fn, max_reps=10, budget_s=0.15)
+    tops = ops / tmin / 1e12
+    row = dict(params, t_min_us=round(tmin * 1e6, 1), t_median_us=round(tmed * 1e6, 1),
+               tops=round(tops, 3), frac_peak=round(tops / pk, 3) if pk else None)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+@section("gemm_sweep")
+def gemm_sweep():
+    """(mc, kc, prefetch) of the large-M kernels at M=512, N=1536, D=2048 (one thread)."""
     from kt import reference as ref
-    K = load_kernels()
     from kt.cpu_ops.packing import pack
 
+    K = load_kernels()
     rng = np.random.default_rng(2)
     m, n, d = (40, 48, 256) if DRY else (512, 1536, 2048)
     w = rng.standard_normal((n, d), dtype=np.float32)
-    p = pack(w, "int8")
-    xq, xs = ref.quantize_act(rng.standard_normal((m, d), dtype=np.float32))
-    out = np.empty((m, p.n_pad), np.float32)
-    pk = (RESULT.get("peak", {}).get("int8") or {}).get("tops_one_core")
-    rows = []
-    for mc in ((32, 64) if DRY else (64, 128, 256, 512)):
-        for kcs in ((2, 4) if DRY else (4, 8, 16, 32)):
-            tmin, tmed, _ = _time(lambda: K.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0,
-                                                              p.num_blocks, mc, kcs),
-                                  max_reps=10, budget_s=0.2)
-            tops = 2.0 * m * n * d / tmin / 1e12
-            rows.append({"mc": mc, "kcs": kcs, "t_min_us": round(tmin * 1e6, 1),
-                         "tops": round(tops, 3), "frac_peak": round(tops / pk, 3) if pk else None})
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
+    x = rng.standard_normal((m, d), dtype=np.float32)
+    xq, xs = ref.quantize_act(x)
+    xb = ref.f32_to_bf16_bits(x)
+    ops = 2.0 * m * n * d
+    pk8 = (RESULT.get("peak", {}).get("int8") or {}).get("tops_one_core")
+    pkb = (RESULT.get("peak", {}).get("bf16") or {}).get("tops_one_core")
+    res = {"shape": {"M": m, "N": n, "D": d}, "int8": [], "bf16": [], "int4_g64": []}
+    p8 = pack(w, "int8")
+    out = np.empty((m, p8.n_pad), np.float32)
+    for mc in ((32,) if DRY else (64, 128, 256)):
+        for kcs in ((2, 4) if DRY else (8, 16, 32)):
+            for pf in (0, 2):
+                res["int8"].append(_sweep_row(
+                    lambda: K.gemm_int8_blocked(xq, xs, p8.data, p8.scale, out, 0, p8.num_blocks,
+                                                mc, kcs, pf), ops, pk8, mc=mc, kcs=kcs, pf=pf))
+    save()
+    pb = pack(w, "bf16")
+    for mc in ((32,) if DRY else (128, 256)):
+        for kcs in ((2, 4) if DRY else (16, 32, 64)):
+            for pf in (0, 2):
+                res["bf16"].append(_sweep_row(
+                    lambda: K.gemm_bf16_blocked(xb, pb.data, out, 0, pb.num_blocks, mc, kcs, pf),
+                    ops, pkb, mc=mc, kcs=kcs, pf=pf))
+    save()
+    p4 = pack(w, "int4", 64)
+    for mc in ((32,) if DRY else (128, 256)):
+        for kc in ((128, 256) if DRY else (256, 512, 1024, 2048)):
+            res["int4_g64"].append(_sweep_row(
+                lambda: K.gemm_int4_blocked(xq, xs, p4.data, p4.scale, 64, out, 0, p4.num_blocks,
+                                            mc, kc), ops, pk8, mc=mc, kc=kc))
+    return res
+
+
+@section("gemv_sweep")
+def gemv_sweep():
+    """B prefetch distance of the small-M kernels, warm (one matrix) and cold (a pool of copies
+    far larger than the caches, used in turn), N=1536, D=2048, one thread."""
+    from kt import reference as ref
+    from kt.cpu_ops.packing import pack
+
+    K = load_kernels()
+    rng = np.random.default_rng(3)
+    n, d = (48, 256) if DRY else (1536, 2048)
+    pool_bytes = (1 << 20) if DRY else (96 << 20)
+    w = rng.standard_normal((n, d), dtype=np.float32)
+    res = {"shape": {"N": n, "D": d}, "rows": []}
+    for scheme in ("int8", "bf16", "int4"):
+        p = pack(w, scheme, 64)
+        copies = max(2, pool_bytes // p.data.nbytes)
+        pool = [p.data.copy() for _ in range(copies)]
+        for m in (1, 8):
+            x = rng.standard_normal((m, d), dtype=np.float32)
+            out = np.empty((m, p.n_pad), np.float32)
+            xq, xs = ref.quantize_act(x)
+            xb = ref.f32_to_bf16_bits(x)
+            for pf in ((0, 4) if scheme != "int4" else (None,)):
+                for cold in (False, True):
+                    def one(data):
+                        if scheme == "int8":
+                            K.gemv_int8_pf(xq, xs, data, p.scale, out, 0, p.num_blocks, pf)
+                        elif scheme == "bf16":
+                            K.gemv_bf16_pf(xb, data, out, 0, p.num_blocks, pf)
+                        else:
+                            K.gemv_int4(xq, xs, data, p.scale, 64, out, 0, p.num_blocks)
+
+                    if cold:
+                        def fn():
+                            for data in pool:
+                                one(data)
+                        per = len(pool)
+                    else:
+                        def fn():
+                            one(p.data)
+                        per = 1
+                    tmin, tmed, _ = _time(fn, min_reps=3, max_reps=10, budget_s=0.3)
+                    row = {"scheme": scheme, "M": m, "pf": pf, "cold": cold,
+                           "t_min_us": round(tmin / per * 1e6, 1),
+                           "t_median_us": round(tmed / per * 1e6, 1),
+                           "weight_GBps": round(p.data.nbytes / (tmin / per) / 1e9, 1)}
+                    res["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+        del pool
+    return res
 
 
 def table():
@@ -353,7 +433,8 @@ def main():
     correctness()
     peak()
     kernels()
-    blocking_sweep()
+    gemm_sweep()
+    gemv_sweep()
     print("\n" + table(), flush=True)
     RESULT["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     save()
