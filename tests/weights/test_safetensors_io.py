@@ -10,9 +10,14 @@ from kt.weights._safetensors_io import SafetensorsError, SafetensorsFile, write_
 def _write(path, arrays, meta=None):
     specs = {k: (v.shape, v.dtype) for k, v in arrays.items()}
 
-    def fill(views):
+    def fill(sink):
         for k, v in arrays.items():
-            views[k][...] = v
+            if k == "b":  # one tensor through pwrite, in two pieces
+                half = v.nbytes // 2
+                sink.pwrite(k, half, v.reshape(-1).view(np.uint8)[half:])
+                sink.pwrite(k, 0, v.reshape(-1).view(np.uint8)[:half])
+            else:
+                sink.arrays[k][...] = v
 
     write_safetensors(path, specs, fill, meta)
 
@@ -44,12 +49,19 @@ def test_roundtrip_aligned_and_interoperable(tmp_path):
 def test_failed_write_leaves_nothing(tmp_path):
     p = tmp_path / "x.safetensors"
 
-    def boom(views):
-        views["a"][0] = 1
+    def boom(sink):
+        sink.arrays["a"][0] = 1
         raise RuntimeError("fail in fill")
 
     with pytest.raises(RuntimeError, match="fail in fill"):
         write_safetensors(p, {"a": ((64,), np.dtype(np.int8))}, boom)
+    assert list(tmp_path.iterdir()) == []
+
+    def overrun(sink):
+        sink.pwrite("a", 60, np.zeros(8, np.uint8))
+
+    with pytest.raises(ValueError, match="overruns tensor 'a'"):
+        write_safetensors(p, {"a": ((64,), np.dtype(np.int8))}, overrun)
     assert list(tmp_path.iterdir()) == []
 
 
