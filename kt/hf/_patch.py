@@ -1,0 +1,302 @@
+"""kt.patch_model: route the experts of a transformers MoE model through kt.
+
+Only the experts module of each sparse MoE block is replaced (see ``families.py``): the model's
+router, shared experts, attention and everything else stay as they are, on the model's device.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import GROUP_SIZES, QuantScheme
+from ._compat import require_transformers
+from ._experts import KTExperts, ReferenceMoE
+from .families import family_of
+
+__all__ = ["PatchConfig", "PatchInfo", "patch_model", "find_experts", "ExpertsSite"]
+
+_BACKENDS = ("kt", "reference")
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """How ``patch_model`` runs the routed experts.
+
+    scheme: QuantScheme (or its name) the CPU experts are stored and computed in.
+    group_size: G of INT4 (32, 64 or 128).
+    threads: threads of the CPU pool kt creates for the model (None: kt's default pool);
+      ignored when ``pool`` is given.
+    pool: a ``kt.CpuPool`` the caller owns, shared by all layers.
+    weight_path: a kt weight directory (``kt convert``) to load the experts from, instead of
+      converting the model's own expert weights in memory.
+    placement: a ``kt.Placement`` [L, E] putting some experts on the GPU (needs ``kt.HybridMoE``
+      and a CUDA device); None = every expert on the CPU.
+    deferral: max deferred experts per token (HybridMoE only); 0 = off.
+    backend: "kt" (CPUMoE / HybridMoE, the default) or "reference" (kt.reference in numpy: slow,
+      exact to the scheme's arithmetic; for debugging).
+    """
+
+    scheme: QuantScheme | str = QuantScheme.BF16
+    group_size: int = 64
+    threads: int | None = None
+    pool: object | None = field(default=None, compare=False, repr=False)
+    weight_path: str | Path | None = None
+    placement: object | None = field(default=None, compare=False)
+    deferral: int = 0
+    backend: str = "kt"
+
+    def __post_init__(self):
+        object.__setattr__(self, "scheme", QuantScheme.parse(self.scheme))
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"PatchConfig.group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
+            raise ValueError(f"PatchConfig.threads must be a positive int or None, got {self.threads!r}")
+        if not isinstance(self.deferral, int) or self.deferral < 0:
+            raise ValueError(f"PatchConfig.deferral must be an int >= 0, got {self.deferral!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"PatchConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.weight_path is not None:
+            object.__setattr__(self, "weight_path", Path(self.weight_path))
+        if self.backend == "reference" and (self.placement is not None or self.deferral):
+            raise ValueError("the reference backend runs every expert on the CPU; "
+                             "placement and deferral need backend='kt'")
+
+
+@dataclass(frozen=True)
+class ExpertsSite:
+    """One experts module of the model: where it hangs and which decoder layer it belongs to."""
+
+    name: str  # e.g. "model.layers.3.mlp.experts"
+    parent: nn.Module = field(repr=False)
+    attr: str
+    module: nn.Module = field(repr=False)
+    layer_idx: int
+    num_experts: int
+    hidden: int
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    """What ``patch_model`` did; stored on the model as ``model.kt_patch``."""
+
+    config: PatchConfig
+    model_type: str
+    layers: tuple[int, ...]
+    num_experts: int
+    hidden: int
+    intermediate: int
+    backend: str
+    freed_bytes: int
+
+
+def _layer_index(name: str) -> int:
+    m = _LAYER_RE.search(name)
+    if m is None:
+        raise ValueError(f"cannot tell the decoder layer of experts module {name!r}")
+    return int(m.group(1))
+
+
+def _check_experts_module(name: str, mod: nn.Module) -> None:
+    """The fused experts of every supported family: SiLU(gate) * up, gate rows first, no bias."""
+    problems = []
+    if getattr(mod, "has_bias", False) or any(n.endswith("bias") for n, _ in mod.named_parameters()):
+        problems.append("expert biases")
+    if getattr(mod, "is_transposed", False):
+        problems.append("transposed expert weights")
+    if not getattr(mod, "is_concatenated", True):
+        problems.append("interleaved gate/up rows")
+    if not getattr(mod, "has_gate", True):
+        problems.append("no gate projection")
+    act = getattr(mod, "act_fn", None)
+    if not (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")):
+        problems.append(f"activation {type(act).__name__} (kt computes SiLU(gate) * up)")
+    try:
+        from transformers.integrations import moe as _hf_moe
+
+        default_gate = getattr(_hf_moe, "_default_apply_gate", None)
+        own_gate = getattr(type(mod), "_apply_gate", default_gate)
+        if default_gate is not None and own_gate is not default_gate:
+            problems.append("a custom gating function")
+    except ImportError:
+        pass
+    gu, dn = mod.gate_up_proj, mod.down_proj
+    e, two_i, h = gu.shape
+    if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2):
+        problems.append(f"gate_up_proj {tuple(gu.shape)} / down_proj {tuple(dn.shape)} are not "
+                        f"[E, 2I, H] / [E, H, I]")
+    if problems:
+        raise ValueError(f"experts module {name} ({type(mod).__name__}) has " + ", ".join(problems)
+                         + "; kt cannot compute it")
+
+
+def find_experts(model: nn.Module) -> list[ExpertsSite]:
+    """The routed-experts modules of a supported transformers model, in layer order.
+
+    Raises ValueError for an unknown architecture, a model already patched, or a supported
+    architecture whose experts are not the fused modules of transformers >= 5.
+    """
+    require_transformers()
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    family_of(model_type)
+    sites = []
+    modules = dict(model.named_modules())
+    for name, mod in modules.items():
+        if isinstance(mod, KTExperts):
+            raise ValueError(f"model is already patched by kt ({name} is a KTExperts)")
+        gu = getattr(mod, "gate_up_proj", None)
+        dn = getattr(mod, "down_proj", None)
+        if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.ndim == 3):
+            continue
+        _check_experts_module(name, mod)
+        parent_name, _, attr = name.rpartition(".")
+        e, two_i, h = gu.shape
+        sites.append(ExpertsSite(name, modules[parent_name], attr, mod, _layer_index(name),
+                                 int(e), int(h), int(two_i // 2)))
+    if not sites:
+        raise ValueError(
+            f"found no fused experts modules (gate_up_proj [E, 2I, H]) in this {model_type} model "
+            f"({type(model).__name__}); kt patches transformers >= 5 models")
+    return sorted(sites, key=lambda s: s.layer_idx)
+
+
+# ----------------------------------------------------------------------------- backends
+
+def _kt_classes():
+    try:
+        from ..cpu_ops.moe import CPUMoE
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("kt."):
+            raise NotImplementedError(
+                "this kt build has no kt.CPUMoE yet; use PatchConfig(backend='reference')") from exc
+        raise
+    return CPUMoE
+
+
+def _hybrid_class():
+    try:
+        from ..hybrid import HybridMoE
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("kt."):
+            raise NotImplementedError(
+                "GPU placements and deferral need kt.HybridMoE, which this kt build lacks; "
+                "use placement=None (all experts on the CPU)") from exc
+        raise
+    return HybridMoE
+
+
+def _default_pool(cfg: PatchConfig):
+    if cfg.pool is not None or cfg.threads is None or cfg.backend != "kt":
+        return cfg.pool
+    from ..cpu_ops.pool import CpuPool
+
+    return CpuPool(cfg.threads)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress: bool = True,
+                **overrides) -> nn.Module:
+    """Replace the routed experts of ``model`` with kt; returns the same model, patched in place.
+
+    ``config`` (or keyword ``overrides`` of PatchConfig fields) says how. Every sparse MoE block
+    keeps its router and shared experts; its experts module becomes a ``KTExperts`` running
+    ``CPUMoE`` (or ``HybridMoE`` with a placement), built from a kt weight directory or from the
+    model's own expert weights, which are then freed. Everything is validated before the first
+    layer is touched, so a failure leaves the model as it was.
+    """
+    from tqdm.auto import tqdm
+
+    if config is None:
+        config = PatchConfig(**overrides)
+    elif overrides:
+        from dataclasses import replace
+
+        config = replace(config, **overrides)
+    sites = find_experts(model)
+    model_type = model.config.model_type
+    e, h, i = sites[0].num_experts, sites[0].hidden, sites[0].intermediate
+    for s in sites:
+        if (s.num_experts, s.hidden, s.intermediate) != (e, h, i):
+            raise ValueError(f"{s.name}: shape E={s.num_experts} H={s.hidden} I={s.intermediate} differs "
+                             f"from the first experts module's E={e} H={h} I={i}")
+    num_layers = int(getattr(model.config, "num_hidden_layers", max(s.layer_idx for s in sites) + 1))
+
+    loader = None
+    if config.weight_path is not None:
+        from ._weights import WeightDirLoader
+
+        loader = WeightDirLoader(config.weight_path, model, config, [s.layer_idx for s in sites],
+                                 num_experts=e, hidden=h, intermediate=i)
+    hybrid = config.placement is not None or config.deferral > 0
+    if config.backend == "kt":
+        cpu_cls = _kt_classes()
+        hybrid_cls = _hybrid_class() if hybrid else None
+    if config.placement is not None:
+        check = getattr(config.placement, "check_model", None)
+        if check is not None:
+            check(num_layers, e)
+    device = _model_device(model)
+    if hybrid and device.type != "cuda" and config.placement is not None \
+            and int(getattr(config.placement, "gpu_mask").sum()) > 0:
+        raise ValueError(f"the placement puts experts on the GPU but the model is on {device}; "
+                         "move the model to a CUDA device before patching")
+    pool = _default_pool(config)
+    chain = None
+    last_layer = sites[-1].layer_idx
+
+    freed = 0
+    for s in tqdm(sites, desc=f"kt: experts -> {config.scheme.value}", unit="layer",
+                  disable=not progress or len(sites) < 2):
+        mod = s.module
+        gu, dn = mod.gate_up_proj.detach(), mod.down_proj.detach()
+        freed += gu.numel() * gu.element_size() + dn.numel() * dn.element_size()
+        gate, up = gu[:, :i], gu[:, i:]
+        if config.backend == "reference":
+            src = loader.dequantized(s.layer_idx) if loader is not None else (gate, up, dn)
+            moe, name = ReferenceMoE(*src, config.scheme, config.group_size), "reference"
+        else:
+            if loader is not None:
+                cpu = loader.cpu_moe(cpu_cls, s.layer_idx, pool)
+            else:
+                cpu = cpu_cls.from_tensors(gate.cpu(), up.cpu(), dn.cpu(), scheme=config.scheme,
+                                           group_size=config.group_size, pool=pool)
+            if hybrid:
+                if chain is None and config.deferral:
+                    from ..hybrid import DeferredChain
+
+                    chain = DeferredChain()
+                row = None if config.placement is None else config.placement.gpu_slot[s.layer_idx]
+                moe = hybrid_cls(cpu, row, device=device if device.type == "cuda" else None,
+                                 max_deferred_experts_per_token=config.deferral, chain=chain,
+                                 is_last_layer=s.layer_idx == last_layer, layer_idx=s.layer_idx)
+                name = "hybrid"
+            else:
+                moe, name = cpu, "cpu"
+        new = KTExperts(moe, layer_idx=s.layer_idx, num_experts=e, hidden=h, intermediate=i,
+                        scheme=config.scheme, backend=name, device_inputs=name == "hybrid")
+        del gu, dn, gate, up
+        # drop the parameters themselves, so the memory goes even if someone holds the old module
+        mod.gate_up_proj = None
+        mod.down_proj = None
+        setattr(s.parent, s.attr, new)
+    if pool is not None and config.pool is None:
+        model._kt_pool = pool  # the model owns the pool kt created for it
+    model.kt_patch = PatchInfo(config, model_type, tuple(s.layer_idx for s in sites), e, h, i,
+                               "reference" if config.backend == "reference" else
+                               ("hybrid" if hybrid else "cpu"), freed)
+    if config.backend == "reference":
+        warnings.warn("kt.patch_model: backend='reference' computes the experts in numpy (fp64): "
+                      "exact but slow; use it for debugging only", stacklevel=2)
+    return model
