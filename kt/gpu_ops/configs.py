@@ -70,15 +70,18 @@ def _heuristic(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: 
     # Rows per active slot decide the regime. Few rows: the kernels stream weights (memory bound), so
     # use the smallest row block and narrow column blocks, to have enough programs in flight to pull
     # HBM bandwidth. Many rows: large tiles for tensor-core efficiency.
+    # The winners of the H200 sweep (benchmarks/results/gpu.json) shaped these defaults.
     rows_per_slot = num_tokens * top_k / max(1, min(num_slots, num_tokens * top_k))
     bk = 128 if weight_dtype == "int8" else 64
+    if rows_per_slot <= 2:
+        return MoEConfig(block_m=16, block_n=32, block_k=256, group_m=1, num_warps=4, num_stages=3)
     if rows_per_slot <= 16:
-        return MoEConfig(block_m=16, block_n=32, block_k=max(bk, 128), group_m=1, num_warps=4, num_stages=4)
+        return MoEConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
     if rows_per_slot <= 64:
         return MoEConfig(block_m=32, block_n=64, block_k=bk, group_m=4, num_warps=4, num_stages=4)
     if rows_per_slot <= 256:
         return MoEConfig(block_m=64, block_n=64, block_k=bk, group_m=8, num_warps=4, num_stages=4)
-    return MoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    return MoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
 
 
 def pick_config(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: int,

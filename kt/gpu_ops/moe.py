@@ -20,7 +20,10 @@ _CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _WNAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "int8"}
 
 _kernels_mod = None
-_ALIGN_ONE_PROGRAM_MAX_N = 4096  # token-slots up to which the alignment runs as one program
+# Token-slots up to which the alignment runs as one program. H200 (benchmarks/results/gpu.json): one
+# program took 7.9 us at N=56, 10.2 at 512, 16.2 at 1024, 49 at 4096; three launches 11.9 at N=56,
+# 15.0 at 512, 17.5 at 1024, 21.3 at 4096.
+_ALIGN_ONE_PROGRAM_MAX_N = 1024
 _PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer if there are fewer tiles)
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
 
