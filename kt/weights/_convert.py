@@ -114,9 +114,18 @@ def _params(src, scheme, g, layers) -> dict:
             "source": src.identity()}
 
 
+_KEYS = ("scheme", "group_size", "num_experts", "hidden_size", "intermediate_size", "layers", "source")
+
+
+def _key(d: dict, k: str):
+    v = d.get(k)
+    if k == "source" and isinstance(v, dict):  # a moved checkpoint is the same checkpoint
+        v = {kk: vv for kk, vv in v.items() if kk != "path"}
+    return v
+
+
 def _same(a: dict, b: dict) -> bool:
-    keys = ("scheme", "group_size", "num_experts", "hidden_size", "intermediate_size", "layers", "source")
-    return all(a.get(k) == b.get(k) for k in keys)
+    return all(_key(a, k) == _key(b, k) for k in _KEYS)
 
 
 def convert(source, out_dir, scheme: QuantScheme | str = "int8", group_size: int = 64, *,
@@ -236,8 +245,7 @@ def _resume_state(out: Path, params: dict, force: bool):
         return {}
     if not _same(prev, params):
         if not force:
-            diff = [k for k in ("scheme", "group_size", "num_experts", "hidden_size",
-                                "intermediate_size", "layers", "source") if prev.get(k) != params.get(k)]
+            diff = [k for k in _KEYS if _key(prev, k) != _key(params, k)]
             raise WeightFormatError(f"{out}: holds a different conversion (differs in {diff}); pass "
                                     "force=True (--force) to replace it, or pick another directory")
         for p in own_files():

@@ -62,7 +62,8 @@ class GGUFSource:
         return {"kind": "gguf", "path": str(self.path.resolve()), "architecture": self.architecture,
                 "files": [{"name": self.path.name, "bytes": st.st_size}], "head_sha256": head}
 
-    def _check(self, L: int, t, e_h_i: tuple[int, int, int] | None, rows_mult: int = 1):
+    def _qtype(self, t):
+        """The tensor's quantisation type, checked to be one gguf can dequantise."""
         gguf = _gguf()
         qt = gguf.GGMLQuantizationType(t.tensor_type)
         if qt.name not in SUPPORTED_TYPES:
@@ -97,7 +98,7 @@ class GGUFSource:
         if not ok:
             raise SourceError(f"{self.path}: layer {L} expert shapes {shapes} do not fit "
                               f"down [E, H, I] = [{E}, {H}, {I}]")
-        qts = {p: self._check(L, ent[p], None) for p in need}
+        qts = {p: self._qtype(ent[p]) for p in need}
         total = sum(int(ent[p].n_bytes) for p in need)
 
         def one(p, e, r0=None, r1=None):

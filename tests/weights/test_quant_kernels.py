@@ -69,3 +69,15 @@ def test_as_kernel_source():
     assert as_kernel_source(np.ones((2, 2), np.float16)).dtype == np.float32
     with pytest.raises(TypeError, match="floating point"):
         as_kernel_source(np.ones((2, 2), np.int32))
+
+
+@pytest.mark.subprocess
+def test_import_compiles_nothing():
+    import subprocess
+    import sys
+
+    code = ("import sys, kt, kt.weights; kt.load_experts; kt.convert; "
+            "bad = [m for m in ('numba', 'torch', 'gguf', 'transformers') if m in sys.modules]; "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
