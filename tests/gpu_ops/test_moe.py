@@ -7,7 +7,6 @@ run here.
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
