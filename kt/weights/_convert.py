@@ -24,7 +24,8 @@ from .._version import __version__
 from ..config import GROUP_SIZES, QuantScheme
 from ..cpu_ops.packing import padded_dims
 from ._format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, PARTIAL, TENSORS, WeightFormatError,
-                      default_threads, file_checksum, layer_file_name, read_manifest)
+                      CHECKSUM_ALGO, checksum_of_same_kind, default_threads, file_checksum,
+                      layer_file_name, read_manifest)
 from ._pack import fill_padding_rows, packed_array_specs, quantize_pack_into
 from ._safetensors_io import SafetensorsFile, write_json_atomic, write_safetensors
 from ._sources import SourceError, open_source
@@ -203,7 +204,7 @@ def convert(source, out_dir, scheme: QuantScheme | str = "int8", group_size: int
                     "intermediate_size": src.inter,
                     **_shape_meta(scheme, src.num_experts, src.hidden, src.inter, g),
                     "layers": want, "architecture": src.architecture, "model_type": src.model_type,
-                    "source": params["source"], "checksum_algorithm": "crc32x16MiB-sha256",
+                    "source": params["source"], "checksum_algorithm": CHECKSUM_ALGO,
                     "files": {str(L): files[str(L)] for L in want}}
         write_json_atomic(out / MANIFEST, manifest)
         (out / PARTIAL).unlink(missing_ok=True)
@@ -254,7 +255,12 @@ def _resume_state(out: Path, params: dict, force: bool):
     keep = {}
     for L, ent in (prev.get("files") or {}).items():
         p = out / ent.get("file", "")
-        if p.is_file() and p.stat().st_size == ent.get("bytes") and file_checksum(p) == ent.get("checksum"):
+        try:
+            ok = (p.is_file() and p.stat().st_size == ent.get("bytes")
+                  and checksum_of_same_kind(p, ent.get("checksum", "")) == ent.get("checksum"))
+        except WeightFormatError:  # unknown checksum algorithm: redo the layer
+            ok = False
+        if ok:
             keep[L] = ent
     if (out / MANIFEST).exists():
         if len(keep) == len(params["layers"]):
@@ -290,7 +296,7 @@ def verify(out_dir, threads: int | None = None, *, raise_on_error: bool = True) 
         if size != ent["bytes"]:
             problems.append(f"{p}: {size} bytes, manifest says {ent['bytes']} (truncated or replaced)")
             continue
-        got = file_checksum(p, threads)
+        got = checksum_of_same_kind(p, ent["checksum"], threads)
         if got != ent["checksum"]:
             problems.append(f"{p}: checksum mismatch (file {got}, manifest {ent['checksum']}): "
                             "the file is corrupt; reconvert this layer")

@@ -31,7 +31,8 @@ FORMAT_NAME = "kt-moe-experts"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
-CHECKSUM_ALGO = "crc32x16MiB-sha256"
+CHECKSUM_ALGO = "xxh64x16MiB-sha256"
+CHECKSUM_ALGOS = ("xxh64x16MiB-sha256", "crc32x16MiB-sha256")
 _CHUNK = 16 << 20
 TENSORS = ("w13.data", "w13.scale", "w13.wsum", "w2.data", "w2.scale", "w2.wsum")
 
@@ -56,27 +57,47 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def file_checksum(path: str | Path, threads: int | None = None) -> str:
-    """``crc32x16MiB-sha256:<hex>``: zlib crc32 of each 16 MiB chunk (in parallel: zlib releases
-    the GIL), the 4-byte big-endian CRCs concatenated and hashed with sha256. Detects any changed
-    byte like a whole-file CRC would, but runs on all cores (~3 GB/s per core here)."""
+def _chunk_digest(algorithm: str):
+    if algorithm == "xxh64x16MiB-sha256":
+        from ._hash_kernels import xxh64
+
+        return lambda chunk: struct.pack(">Q", int(xxh64(chunk)))
+    if algorithm == "crc32x16MiB-sha256":
+        return lambda chunk: struct.pack(">I", zlib.crc32(chunk))
+    raise WeightFormatError(f"unknown checksum algorithm {algorithm!r} (this kt knows "
+                            f"{list(CHECKSUM_ALGOS)})")
+
+
+def file_checksum(path: str | Path, threads: int | None = None,
+                  algorithm: str = CHECKSUM_ALGO) -> str:
+    """``<algorithm>:<hex>``. ``xxh64x16MiB-sha256`` (the default): the file is cut into 16 MiB
+    chunks, each hashed with XXH64 (seed 0; Numba, nogil, chunks on ``threads`` threads), the
+    8-byte big-endian digests concatenated and hashed with sha256. Any changed byte changes it;
+    ~14 GB/s per core here, so checking a file runs near memory bandwidth.
+    (``crc32x16MiB-sha256``: the same with zlib CRC-32 per chunk, 4-byte digests; ~3.7 GB/s.)"""
     path = Path(path)
+    digest = _chunk_digest(algorithm)
     size = path.stat().st_size
     if size == 0:
-        crcs = []
+        parts = []
     else:
         mm = np.memmap(path, dtype=np.uint8, mode="r")
         starts = range(0, size, _CHUNK)
         n = min(threads or default_threads(), len(starts))
-        fn = lambda s: zlib.crc32(mm[s: s + _CHUNK])  # noqa: E731
+        fn = lambda s: digest(mm[s: s + _CHUNK])  # noqa: E731
         if n <= 1:
-            crcs = [fn(s) for s in starts]
+            parts = [fn(s) for s in starts]
         else:
             with ThreadPoolExecutor(n) as ex:
-                crcs = list(ex.map(fn, starts))
+                parts = list(ex.map(fn, starts))
         del mm
-    h = hashlib.sha256(b"".join(struct.pack(">I", c) for c in crcs))
-    return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+    return f"{algorithm}:{hashlib.sha256(b''.join(parts)).hexdigest()}"
+
+
+def checksum_of_same_kind(path: str | Path, recorded: str, threads: int | None = None) -> str:
+    """The file's checksum computed with the algorithm named in ``recorded``."""
+    algorithm = str(recorded).split(":", 1)[0]
+    return file_checksum(path, threads, algorithm)
 
 
 def read_manifest(out_dir: str | Path) -> dict:

@@ -80,3 +80,39 @@ def test_bad_files(tmp_path):
         SafetensorsFile(p)
     with pytest.raises(FileNotFoundError, match="nope.safetensors"):
         SafetensorsFile(tmp_path / "nope.safetensors")
+
+
+def test_xxh64_matches_libxxhash_and_known_vectors():
+    from kt.weights._hash_kernels import xxh64
+
+    assert int(xxh64(np.frombuffer(b"", np.uint8))) == 0xEF46DB3751D8E999
+    assert int(xxh64(np.frombuffer(b"Nobody inspects the spammish repetition", np.uint8))) == 0xFBCEA83C8A378BF1
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("xxhash")
+    if name is None:
+        pytest.skip("libxxhash not installed: only the published test vectors were checked")
+    lib = ctypes.CDLL(name)
+    lib.XXH64.restype = ctypes.c_uint64
+    lib.XXH64.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64]
+    rng = np.random.default_rng(0)
+    for n in [*range(0, 70), 1000, 4099, 1 << 16]:
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        assert int(xxh64(a)) == lib.XXH64(a.ctypes.data, n, 0), n
+
+
+def test_checksum_algorithms(tmp_path):
+    from kt.weights._format import WeightFormatError, file_checksum
+
+    p = tmp_path / "f"
+    p.write_bytes(bytes(range(256)) * 300)
+    a = file_checksum(p)
+    assert a.startswith("xxh64x16MiB-sha256:") and a == file_checksum(p, threads=1)
+    c = file_checksum(p, algorithm="crc32x16MiB-sha256")
+    raw = bytearray(p.read_bytes())
+    raw[12345] ^= 4
+    p.write_bytes(bytes(raw))
+    assert file_checksum(p) != a and file_checksum(p, algorithm="crc32x16MiB-sha256") != c
+    with pytest.raises(WeightFormatError, match="unknown checksum algorithm 'md5'"):
+        file_checksum(p, algorithm="md5")
