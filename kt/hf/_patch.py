@@ -207,7 +207,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress: bool = True,
-                **overrides) -> nn.Module:
+                device=None, **overrides) -> nn.Module:
     """Replace the routed experts of ``model`` with kt; returns the same model, patched in place.
 
     ``config`` (or keyword ``overrides`` of PatchConfig fields) says how. Every sparse MoE block
@@ -215,6 +215,9 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
     ``CPUMoE`` (or ``HybridMoE`` with a placement), built from a kt weight directory or from the
     model's own expert weights, which are then freed. Everything is validated before the first
     layer is touched, so a failure leaves the model as it was.
+
+    ``device``: where the model will run (default: where its weights are now). Give "cuda" to
+    patch a model still on the CPU and move it afterwards: the experts never reach the GPU.
     """
     from tqdm.auto import tqdm
 
@@ -247,11 +250,11 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
         check = getattr(config.placement, "check_model", None)
         if check is not None:
             check(num_layers, e)
-    device = _model_device(model)
+    device = torch.device(device) if device is not None else _model_device(model)
     if hybrid and device.type != "cuda" and config.placement is not None \
-            and int(getattr(config.placement, "gpu_mask").sum()) > 0:
-        raise ValueError(f"the placement puts experts on the GPU but the model is on {device}; "
-                         "move the model to a CUDA device before patching")
+            and int(config.placement.gpu_mask.sum()) > 0:
+        raise ValueError(f"the placement puts experts on the GPU but the model runs on {device}; "
+                         "pass device='cuda' (or move the model to a CUDA device) to patch_model")
     pool = _default_pool(config)
     chain = None
     last_layer = sites[-1].layer_idx

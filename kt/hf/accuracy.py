@@ -5,7 +5,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Agreement", "compare_models", "compare_logits", "greedy_tokens", "random_prompts"]
+__all__ = ["Agreement", "compare_models", "compare_logits", "greedy_tokens", "random_prompts",
+           "KL_BOUNDS", "kl_bound"]
+
+# Mean per-token KL(unpatched || patched) a patched model must stay within, per scheme (nats).
+# BF16 also requires identical greedy tokens. INT4 is with G = 64.
+KL_BOUNDS = {"bf16": 1e-4, "int8": 2e-3, "int4": 2e-2}
+
+
+def kl_bound(scheme) -> float:
+    from ..config import QuantScheme
+
+    return KL_BOUNDS[QuantScheme.parse(scheme).value]
 
 
 @dataclass(frozen=True)

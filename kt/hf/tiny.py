@@ -181,6 +181,11 @@ def save_tiny_model(out_dir, family: str = "qwen3_moe", *, seed: int = 0, save_d
     model = build_tiny_model(family, seed=seed, vocab_size=n_vocab,
                              bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                              pad_token_id=ids["<|endoftext|>"], **config_kw)
+    # A random model would stop at a random point; with the special tokens' output rows zeroed
+    # (logit 0 against others of std 2) it never stops early under greedy decoding.
+    with torch.no_grad():
+        for t in ids.values():
+            model.lm_head.weight[t].zero_()
     model = model.to(save_dtype or torch.bfloat16)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
