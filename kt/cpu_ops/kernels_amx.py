@@ -1,19 +1,20 @@
 """AMX (AMX-INT8 / AMX-BF16 tiles): INT8, INT4 and BF16 GEMM kernels, small-M and large-M paths.
 
-Contract and data layout: kt/cpu_ops/README.md and packing.py. Tile registers are used the same
-way in every kernel: C (accumulators) 0-3, A (activations) 4-5, B (weights) 6-7, so one config
-builder serves all of them. A B tile is 16 "k4 rows" (int8: 4 k of 16 outputs; bf16: 2 k) of 64
-bytes; in the packed layout the B tile of (block b, k-step s) is the contiguous 1 KiB at
-``data[b, 16 s : 16 s + 16]``, loaded with a 64-byte stride.
+Contract and data layout: kt/cpu_ops/README.md and packing.py. Tile registers: C (accumulators)
+0-3 everywhere; GEMM A 4-5 and B 6-7, GEMV A 4 and B 5-7 (two config builders). A B tile is 16
+"k4 rows" (int8: 4 k of 16 outputs; bf16: 2 k) of 64 bytes; in the packed layout the B tile of
+(block b, k-step s) is the contiguous 1 KiB at ``data[b, 16 s : 16 s + 16]``, 64-byte stride.
 
 - ``gemv_*`` (decode, small M): A tiles are loaded straight from the activations with the row
   stride; the tile config has ``rows = min(M, 16)`` (reloaded once for a tail of rows). Four
-  16-output blocks per pass share one A tile (C 0-3, B 6/7 alternating).
+  16-output blocks per pass share one A tile (C 0-3, A 4, B 5-7 in rotation), and the B lines of
+  the k-step 4 ahead are prefetched into L1. M = 8 costs what M = 1 costs.
 - ``gemm_*`` (prefill): A is first copied into tile order (zero rows pad M to a multiple of 32, so
-  every tile is full and the config never changes); 2x2 tiles = a 32x32 output per step; loops are
-  blocked so that a K slice of the two B blocks (16 KiB) stays in L1 while every 32-row panel of an
-  M chunk (about 512 KiB of A, in L2) passes over it; int32/fp32 partial sums go through a small
-  buffer between K slices.
+  every tile is full and the config never changes); 2x2 tiles = a 32x32 output per step, K step
+  64 (int8) / 32 (bf16); loops run M chunks (about 512 KiB of A, L2-resident) x pairs of 16-output
+  blocks x K slices x 32-row panels, so a pair's B slice is reused by every panel of the chunk;
+  int32/fp32 partial sums go through a small buffer between K slices (by default one slice covers
+  D <= 2048: the device sweep found that fastest).
 
 INT4 choice: each group's nibbles are unpacked to *signed* int8 (q = nibble - 8) in a small scratch
 tile and multiplied with ``tdpbssd``; the int32 tile is flushed into an fp32 accumulator with the
@@ -23,6 +24,10 @@ group) correction 8 * sum(x), saves one subtract per unpacked byte but adds one 
 element at every group flush. The flush is the INT4 hot spot (it runs once per group per 16x16
 tile, the unpack once per group per B tile and is then reused by every row tile of an M chunk), so
 the signed unpack is the cheaper side in prefill and costs only ~16 vector ops per KiB of B in decode.
+
+Epilogues (int32 -> fp32 scaling, INT4 group flush), the A copy and the INT4 unpack use the 64-byte
+row intrinsics of ``_amx`` (LLVM leaves such short Numba loops scalar, which cost 2-3x the tile
+work). Every tuning knob is an argument of ``gemv_*_pf`` / ``gemm_*_blocked``.
 
 This module calls ``_amx.require_amx()`` at import: it raises unless ``kt.cpu_ops.isa`` found AMX
 runnable (hardware and arch_prctl permission), so no AMX code is compiled or run elsewhere.
@@ -42,7 +47,13 @@ __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gem
            "gemm_bf16_blocked", "peak_int8", "peak_bf16", "default_mc"]
 
 # The contract entry points (gemv_*, gemm_*) pass their tuning as literal arguments to the
-# *_pf / *_blocked kernels; the values were chosen from benchmarks/results/amx_device.md.
+# *_pf / *_blocked kernels; the values were chosen from the device sweeps in
+# benchmarks/results/amx_device.md (one Emerald Rapids core, N=1536, D=2048):
+# - GEMV B prefetch 4 k-steps ahead: cold-weight M=1 decode 185 -> 126 us (int8), 385 -> 247 us
+#   (bf16); warm and M=8 within +-8 %.
+# - GEMM mc = ~512 KiB of A, whole K per slice when D <= 2048 (int8 kcs=32, bf16 kcs=64), no A
+#   prefetch: int8 M=512 2.15 TOPS = 41 % of the 5.2 TOPS tile-resident peak; bf16 0.99 TFLOPS
+#   = 37 % of 2.6; A prefetch (pf=2) was 2-7 % slower in every configuration.
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -545,7 +556,7 @@ def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
 @njit(nogil=True, cache=True)
 def gemm_bf16(xb, data, out, nb0, nb1):
     """Large-M BF16 (same contract as ``gemv_bf16``): 2x2 tiles, L1/L2 blocking."""
-    gemm_bf16_blocked(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 32, 0)
+    gemm_bf16_blocked(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 64, 0)
 
 
 # ----------------------------------------------------------------------------- roofline
