@@ -42,6 +42,7 @@ def _from_cli_args(server_args, cls, args):
             server_args.init_expert_location = "trivial"
             logger.info("kt: --init-expert-location %s is read as kt's activation statistics; SGLang's "
                         "own expert location stays trivial", opts.stats_path)
+        _no_cuda_graphs(server_args)
         if opts.kt_enable_dynamic_expert_update:
             logger.warning("kt: --kt-enable-dynamic-expert-update is accepted but not implemented by kt's "
                            "SGLang method yet; the placement stays fixed while serving")
@@ -49,6 +50,22 @@ def _from_cli_args(server_args, cls, args):
         validate(opts, None)
     server_args._kt_options = opts.to_dict()
     return server_args
+
+
+def _no_cuda_graphs(server_args) -> None:
+    """kt's CPU part runs from a service thread that SGLang's CUDA-graph runners do not drive yet, so a
+    captured graph would skip it: graphs are turned off unless the user asked for them explicitly."""
+    for name in ("cuda_graph_backend_decode", "cuda_graph_backend_prefill"):
+        if not hasattr(server_args, name):
+            continue
+        v = getattr(server_args, name)
+        if v is None:
+            setattr(server_args, name, "disabled")
+        elif str(v) != "disabled":
+            flag = "--" + name.replace("_", "-")
+            raise KTArgumentError(f"{flag} {v}: kt's CPU experts cannot run inside SGLang's CUDA graphs yet; "
+                                  f"use {flag} disabled (the default with kt)")
+    logger.info("kt: SGLang's CUDA graphs are disabled (kt's CPU experts run outside them)")
 
 
 def current_options(server_args) -> KTOptions:

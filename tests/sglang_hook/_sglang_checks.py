@@ -139,7 +139,8 @@ def check_cli_pickle(root: Path, wdir: Path, stats: Path):
     got = current_options(sa2).to_dict()
     return {"options": got, "upstream_fields": {k: getattr(sa2, k) for k in (
         "kt_weight_path", "kt_method", "kt_cpuinfer", "kt_threadpool_count", "kt_num_gpu_experts",
-        "kt_max_deferred_experts_per_token", "init_expert_location")}}
+        "kt_max_deferred_experts_per_token", "init_expert_location", "cuda_graph_backend_decode",
+        "cuda_graph_backend_prefill")}}
 
 
 @record("cli_errors")
@@ -159,6 +160,7 @@ def check_cli_errors(root: Path, wdir: Path, stats: Path, bad_stats: Path):
                                     "frequency"],
         "method_vs_directory": ["--kt-weight-path", str(wdir), "--kt-method", "BF16"],
         "deferred_too_many": ["--kt-weight-path", str(wdir), "--kt-max-deferred-experts-per-token", "2"],
+        "cuda_graphs_on": ["--kt-weight-path", str(wdir), "--cuda-graph-backend-decode", "full"],
     }
     out = {}
     for name, extra in cases.items():
