@@ -73,10 +73,12 @@ def touch(le) -> int:
     return acc
 
 
-def best_of(fn, reps: int, cpu: bool = False):
+def best_of(fn, reps: int, cpu: bool = False, setup=None):
     """min wall seconds over reps (and, with cpu=True, min process CPU seconds: all threads)."""
     ts, cs = [], []
     for _ in range(reps):
+        if setup is not None:
+            setup()
         c = time.process_time()
         t = time.perf_counter()
         fn()
@@ -109,10 +111,10 @@ def main() -> None:
             out = root / f"out-{scheme}"
 
             def run():
-                shutil.rmtree(out, ignore_errors=True)
                 convert(src, out, scheme, g or 64, threads=args.threads, progress=False)
 
-            t_conv, c_conv = best_of(run, args.reps, cpu=True)
+            t_conv, c_conv = best_of(run, args.reps, cpu=True,
+                                     setup=lambda: shutil.rmtree(out, ignore_errors=True))
             f = out / "layer_00000.safetensors"
             out_bytes = f.stat().st_size
             t_ck = best_of(lambda: file_checksum(f, args.threads), args.reps)
@@ -134,13 +136,15 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpus": len(os.sched_getaffinity(0)),
+            "load_average_1min_at_end": os.getloadavg()[0],
             "note": "2-core development machine shared with other jobs; best of "
                     f"{args.reps}; page cache warm; no fsync", "quick": args.quick}
     RESULTS.mkdir(exist_ok=True)
     name = "convert_quick" if args.quick else "convert"
     (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"# kt convert: qwen3-30b-a3b-shaped layer (E={E}, H={H}, I={I}), bf16 safetensors -> kt",
-             "", f"{meta['note']}; {args.threads} threads.", "",
+             "", f"{meta['note']}; {args.threads} threads; 1-minute load average at the end "
+             f"{meta['load_average_1min_at_end']:.1f} on {meta['cpus']} CPUs.", "",
              "| scheme | bf16 in | out | convert (wall) | GB/s (bf16 in, wall) | layers/s | CPU s (all threads) | "
              "GB/s per CPU-second | checksum GB/s | load, mmap only | load + touch every page | "
              "load with verify (default) |",

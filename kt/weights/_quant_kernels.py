@@ -144,6 +144,37 @@ def quant_pack_int4(src, row0, group_size, data32, scale):
     return bad
 
 
+def _bf16_row(src, r, buf, bits, h):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(_bf16_row, jit_options={"nogil": True})
+def _bf16_row_impl(src, r, buf, bits, h):
+    """Row r of src as bf16 bits into h[:D]; returns 1 if it holds NaN/Inf. A bf16 source is
+    copied as is (rounding a bf16 value to bf16 is the identity)."""
+    if isinstance(src.dtype, types.Integer) and src.dtype.bitwidth == 16:
+        def impl(src, r, buf, bits, h):
+            m = np.uint16(0)
+            for k in range(src.shape[1]):
+                v = np.uint16(src[r, k])
+                h[k] = v
+                e = v & np.uint16(0x7F80)
+                m = e if e > m else m
+            return 1 if m == np.uint16(0x7F80) else 0
+        return impl
+
+    def impl(src, r, buf, bits, h):
+        _load_row(src, r, buf, bits)
+        if _amax_bits(bits, 0, src.shape[1]) >= np.uint32(0x7F800000):
+            return 1
+        for k in range(src.shape[1]):
+            u = bits[k]
+            h[k] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+                             >> np.uint32(16))
+        return 0
+    return impl
+
+
 @njit(nogil=True, cache=True)
 def quant_pack_bf16(src, row0, data32):
     """src [N, D] -> data uint16 [NB, d_pad/2, 16, 2] (bf16 bits, round to nearest even; seen as
@@ -156,14 +187,9 @@ def quant_pack_bf16(src, row0, data32):
     h32 = h.view(np.uint32)
     bad = 0
     for r in range(n):
-        _load_row(src, r, buf, bits)
-        if _amax_bits(bits, 0, d) >= np.uint32(0x7F800000):
+        if _bf16_row(src, r, buf, bits, h):
             bad += 1
             continue
-        for k in range(d):
-            u = bits[k]
-            h[k] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
-                             >> np.uint32(16))
         row = row0 + r
         b = row >> 4
         rr = row & 15

@@ -51,12 +51,14 @@ def test_bit_identical(scheme, g, n, d, split, src_kind):
         assert np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)), k
 
 
+@pytest.mark.parametrize("src_kind", ["f32", "bf16"])
 @pytest.mark.parametrize("scheme,g", CASES)
-def test_non_finite_is_reported(scheme, g):
+def test_non_finite_is_reported(scheme, g, src_kind):
     w = np.ones((16, 64), np.float32)
     w[3, 7] = np.nan
-    w[5, 9] = np.inf
-    _, bad = _pack_with_kernels(w, scheme, g, 8)
+    w[5, 9] = -np.inf
+    src = ref.f32_to_bf16_bits(w) if src_kind == "bf16" else w
+    _, bad = _pack_with_kernels(src, scheme, g, 8)
     assert bad == 2
 
 
