@@ -1,15 +1,14 @@
 """Convert a checkpoint's routed experts to the kt weight format, and verify a converted directory.
 
-Streaming: one MoE layer at a time. The source is memory-mapped (page cache, not process memory);
-each layer's output is written straight into a memory-mapped temp file (page cache, written back by
-the kernel); the experts of a layer are quantised and packed by ``threads`` Python threads calling
-``nogil`` Numba kernels, one expert per task.
+Streaming: one MoE layer at a time. The source is memory-mapped (page cache, not process memory).
+The experts of a layer are spread over ``threads`` Python threads running ``nogil`` Numba kernels,
+one expert per task: each thread quantises and packs its expert into its own buffers and
+``pwrite``s them into the layer's temp file, which is renamed into place when complete.
 
-Memory bound (anonymous memory, besides the page cache the kernel may reclaim): bf16/fp32 sources
-are read in place, so it is O(threads x (H + I) x 16 bytes) of row buffers; fp16, fp8 and GGUF
-sources add, per thread, one expert's three matrices in fp32: threads x 3 x I x H x 4 bytes
-(DeepSeek-V3, I=2048, H=7168, 2 threads: 352 MB). It never depends on the number of layers or
-experts of the checkpoint.
+Memory bound (anonymous memory; the page cache is the kernel's to reclaim): threads x (one
+expert's packed w13 + w2, ~3 I H bytes for INT8, ~6 I H for BF16, plus row buffers); fp16, fp8
+and GGUF sources add threads x 3 x I x H x 4 bytes of fp32 temporaries (DeepSeek-V3, I=2048,
+H=7168, 2 threads: 0.35 GB). It never depends on the number of layers or experts.
 """
 from __future__ import annotations
 
