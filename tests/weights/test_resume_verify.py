@@ -159,3 +159,16 @@ def test_output_dir_of_another_conversion(src, done):
     before = (done / "layer_00000.safetensors").stat().st_mtime_ns
     convert(src[0], done, "int8", progress=False)
     assert (done / "layer_00000.safetensors").stat().st_mtime_ns == before
+
+
+def test_nan_in_source_fails_cleanly(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src, _ = small_checkpoint(tmp_path, 2, N_E)
+    sd = load_file(src / "model.safetensors")
+    sd["model.layers.1.mlp.experts.2.up_proj.weight"][3, 5] = float("nan")
+    save_file(sd, src / "model.safetensors")
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match="layer 1 expert 2: 1 rows/groups hold NaN or Inf"):
+        convert(src, out, "int8", progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["layer_00000.safetensors", "manifest.partial.json"]
