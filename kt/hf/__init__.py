@@ -29,6 +29,8 @@ _LAZY = {
     "compare_models": "kt.hf.accuracy:compare_models",
     "load_model": "kt.hf.run:load_model",
     "require_transformers": "kt.hf._compat:require_transformers",
+    "record_routing": "kt.hf.stats:record_routing",
+    "moe_layers": "kt.hf.stats:moe_layers",
 }
 
 __all__ = sorted(_LAZY)
