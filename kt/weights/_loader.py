@@ -32,6 +32,23 @@ class NumaTopology:
     """CPUs of each NUMA node this process may use: ``nodes[k]`` = CPU ids of node k."""
 
     nodes: tuple[tuple[int, ...], ...]
+    ids: tuple[int, ...] | None = None  # NUMA node ids (default 0, 1, ...)
+
+    def node_id(self, k: int) -> int:
+        return self.ids[k] if self.ids is not None else k
+
+    @classmethod
+    def of_pool(cls, pool) -> "NumaTopology | None":
+        """The topology a CPU pool runs on: ``pool.topology``, or ``pool.nodes`` ({node: CPUs},
+        as kt.cpu_ops.pool.CpuPool has); None if it has neither."""
+        topo = getattr(pool, "topology", None)
+        if isinstance(topo, cls):
+            return topo
+        nodes = getattr(pool, "nodes", None)
+        if isinstance(nodes, dict) and nodes:
+            ks = sorted(nodes)
+            return cls(tuple(tuple(nodes[k]) for k in ks), tuple(int(k) for k in ks))
+        return None
 
     @classmethod
     def detect(cls) -> "NumaTopology":
@@ -40,16 +57,19 @@ class NumaTopology:
         except AttributeError:  # pragma: no cover - non-Linux
             allowed = set(range(os.cpu_count() or 1))
         root = Path("/sys/devices/system/node")
-        nodes = []
+        nodes, ids = [], []
         for d in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
             try:
                 cpus = _parse_cpulist((d / "cpulist").read_text())
-            except OSError:
+            except (OSError, ValueError):
                 continue
             cpus = tuple(c for c in cpus if c in allowed)
             if cpus:
                 nodes.append(cpus)
-        return cls(tuple(nodes) if nodes else (tuple(sorted(allowed)),))
+                ids.append(int(d.name[4:]))
+        if not nodes:
+            return cls((tuple(sorted(allowed)),), (0,))
+        return cls(tuple(nodes), tuple(ids))
 
 
 def _parse_cpulist(text: str) -> list[int]:
@@ -141,8 +161,9 @@ def load_experts(out_dir, layer: int, physical_to_logical_map=None, *, scheme=No
     physical_to_logical_map: int [P]; physical slot p holds logical expert map[p] (copies the
     stacks unless it is the identity). scheme / shape (MoEShape or (E, H, I)) / group_size: what the
     caller expects; a mismatch raises WeightFormatError naming the file. verify: re-check the
-    file's checksum (reads every page once; XXH64, ~14 GB/s per thread). pool / topology: NUMA nodes to
-    shard over (pool.topology if the pool has one, else detected); one node = no copy.
+    file's checksum (reads every page once; XXH64, ~14 GB/s per thread). pool / topology: NUMA
+    nodes to shard over (``topology``, else the pool's ``topology`` or ``nodes``, else detected
+    from sysfs); one node = no copy.
     """
     out = Path(out_dir)
     m = read_manifest(out)
@@ -199,7 +220,7 @@ def load_experts(out_dir, layer: int, physical_to_logical_map=None, *, scheme=No
         p2l = _check_map(physical_to_logical_map, E)
         if not np.array_equal(p2l, np.arange(E)):
             w13, w2 = _take_experts(w13, p2l), _take_experts(w2, p2l)
-    topo = topology or getattr(pool, "topology", None) or NumaTopology.detect()
+    topo = topology or (NumaTopology.of_pool(pool) if pool is not None else None) or NumaTopology.detect()
     shards = ()
     if len(topo.nodes) > 1:
         shards = _make_shards(w13, w2, I, topo)
@@ -306,6 +327,7 @@ def _make_shards(w13: PackedWeight, w2: PackedWeight, I: int, topo: NumaTopology
         rows = np.concatenate([np.arange(i0, i1), np.arange(I + i0, I + i1)])
         return NodeShard(node, tuple(cpus), i0, i1, take_rows(w13, rows, g), take_cols(w2, i0, i1, g))
 
-    jobs = [(k, c, i0, i1) for k, (c, (i0, i1)) in enumerate(zip(topo.nodes, ranges)) if i1 > i0]
+    jobs = [(topo.node_id(k), c, i0, i1) for k, (c, (i0, i1)) in enumerate(zip(topo.nodes, ranges))
+            if i1 > i0]
     with ThreadPoolExecutor(len(jobs)) as ex:
         return tuple(f.result() for f in [ex.submit(build, *j) for j in jobs])

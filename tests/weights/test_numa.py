@@ -62,8 +62,11 @@ def test_two_node_shards(src, tmp_path, monkeypatch, scheme, g):
         return real(pid, mask)
 
     monkeypatch.setattr(_loader.os, "sched_setaffinity", record)
-    topo = NumaTopology(((cpus[0],), (cpus[1],)))
-    le = load_experts(out, 0, topology=topo)
+    class FakePool:  # kt.cpu_ops.pool.CpuPool exposes {node id: CPUs} as .nodes
+        nodes = {3: [cpus[0]], 5: [cpus[1]]}
+
+    le = load_experts(out, 0, pool=FakePool())
+    assert [s.node for s in le.shards] == [3, 5]
     single = load_experts(out, 0, topology=NumaTopology((tuple(cpus),)))
     assert single.shards == () and isinstance(single.w13.data.base, np.memmap)
     I = le.I
