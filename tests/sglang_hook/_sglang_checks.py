@@ -183,6 +183,30 @@ def check_cli_errors(root: Path, wdir: Path, stats: Path, bad_stats: Path):
     return {"messages": out}
 
 
+@record("kt_run_command")
+def check_kt_run_command(root: Path, wdir: Path):
+    """The command `kt run --dry-run` prints is one SGLang (with kt's plugin) accepts as it is."""
+    import contextlib
+    import shlex
+
+    from kt.cli.main import main as kt_main
+    from kt.sglang_hook._hooks import current_options
+
+    src = tiny_checkpoint(root)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+        rc = kt_main(["run", str(src), "--dry-run", "--vram", "8GiB", "--kt-weight-path", str(wdir),
+                      "--kt-method", "AMXINT8", "--kt-max-deferred-experts-per-token", "1",
+                      "--python", sys.executable, "--", "--port", "31000"])
+    assert rc == 0, buf.getvalue()
+    cmd = shlex.split(buf.getvalue().strip().splitlines()[-1])
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"], cmd
+    parser, ServerArgs = parser_and_server_args()
+    sa = pickle.loads(pickle.dumps(ServerArgs.from_cli_args(parser.parse_args(cmd[3:]))))
+    o = current_options(sa)
+    return {"command": cmd[3:], "options": o.to_dict(), "port": sa.port, "model_path": sa.model_path}
+
+
 def init_dist():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -382,6 +406,7 @@ def main():
     if "cli" in what:
         check_cli_pickle(root, wdir, stats)
         check_cli_errors(root, wdir, stats, bad_stats)
+        check_kt_run_command(root, wdir)
     if "layer" in what:
         check_fused_moe(root, wdir, pfile, stats)
         check_deferred(root, wdir, pfile)

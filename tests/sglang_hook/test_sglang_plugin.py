@@ -75,6 +75,15 @@ def test_bad_kt_values_fail_at_launch_with_clear_errors(sglang_results, case, wo
         assert w in msg, f"{case}: {w!r} not in {msg!r}"
 
 
+def test_kt_run_command_is_accepted_by_sglang(sglang_results):
+    r = _ok(sglang_results[0], "kt_run_command")
+    o = r["options"]
+    assert r["model_path"].endswith("tiny-moe") and r["port"] == 31000
+    assert o["kt_weight_path"].endswith("kt-int8") and o["kt_method"] == "AMXINT8"
+    assert o["kt_max_deferred_experts_per_token"] == 1 and o["kt_cpuinfer"] >= 1
+    assert o["kt_gpu_expert_budget"] > 0  # planned for --vram 8GiB
+
+
 def test_fused_moe_non_contiguous_placement_matches_reference(sglang_results):
     """FusedMoE on the CPU, kt flags, experts {1,4,6} / {0,7} hot in shuffled slots, int8 CPU experts
     from a kt weight directory: every case within rtol 1e-4 of the reference (asserted inside)."""
