@@ -393,15 +393,15 @@ def gemv_sweep():
             out = np.empty((m, p.n_pad), np.float32)
             xq, xs = ref.quantize_act(x)
             xb = ref.f32_to_bf16_bits(x)
-            for pf in ((0, 4) if scheme != "int4" else (None,)):
+            for pf in (0, 4) if scheme != "int4" else (0, 1, 2):
                 for cold in (False, True):
                     def one(data):
                         if scheme == "int8":
                             K.gemv_int8_pf(xq, xs, data, p.scale, out, 0, p.num_blocks, pf)
                         elif scheme == "bf16":
                             K.gemv_bf16_pf(xb, data, out, 0, p.num_blocks, pf)
-                        else:
-                            K.gemv_int4(xq, xs, data, p.scale, 64, out, 0, p.num_blocks)
+                        else:  # pf counts groups of 64 here
+                            K.gemv_int4_pf(xq, xs, data, p.scale, 64, out, 0, p.num_blocks, pf)
 
                     if cold:
                         def fn():

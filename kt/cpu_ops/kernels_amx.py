@@ -43,7 +43,7 @@ AMX_MODE = require_amx()
 install_cache()  # cache.install(), see _amx.install_cache
 
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
-           "gemv_int8_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
+           "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
            "gemm_bf16_blocked", "peak_int8", "peak_bf16", "default_mc"]
 
 # The contract entry points (gemv_*, gemm_*) pass their tuning as literal arguments to the
@@ -274,6 +274,13 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     xq int8 [M, d_pad]; xs fp32 [M]; data uint8 [NB, d_pad/8, 16, 4] (nibbles q + 8);
     scale fp32 [NB, d_pad/G, 16]; group_size G in {32, 64, 128}; out fp32 [M, >= 16 nb1].
     """
+    gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1, 0)
+
+
+@njit(nogil=True, cache=True)
+def gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1, pfg):
+    """``gemv_int4`` prefetching the packed lines pfg groups ahead into L1 (0: none; the default
+    of ``gemv_int4`` until a device sweep says otherwise)."""
     g = group_size
     tk = min(g, 64)
     spg = g // tk
@@ -297,6 +304,11 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
             nq = min(4, nb1 - b)
             acc[:, :] = 0.0
             for gi in range(ng):
+                if pfg > 0 and gi + pfg < ng:
+                    for q in range(nq):
+                        pl = (b + q) * lines + (gi + pfg) * (g // 8)
+                        for ln in range(g // 8):
+                            prefetch_l1(data, (pl + ln) * 64)
                 for q in range(nq):
                     _unpack_int4(data, (b + q) * lines + gi * (g // 8), g // 8, bs, q * 16 * g)
                 tilezero(0)

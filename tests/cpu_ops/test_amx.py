@@ -480,6 +480,11 @@ def _check_blocked(mod, scheme, pf):
         assert_exact(whole, gv, what=f"int8 gemv pf={pf} vs gemm")
     else:
         mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64)
+        gv = np.full((m, p.n_pad), np.nan, np.float32)
+        mod.gemv_int4_pf(xq, xs, p.data, p.scale, 64, gv, 0, nb, pf)
+        ref_gv = np.full((m, p.n_pad), np.nan, np.float32)
+        mod.gemv_int4(xq, xs, p.data, p.scale, 64, ref_gv, 0, nb)
+        assert_exact(ref_gv, gv, what=f"int4 gemv prefetch {pf} groups vs none")
     assert_exact(whole, out, what=f"{scheme.value} sliced vs whole")
 
 
