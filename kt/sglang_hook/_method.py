@@ -62,9 +62,9 @@ class _Process:
     def get_pool(self, opts: KTOptions):
         with self.lock:
             if self.pool is None:
-                from ..cpu_ops.pool import CpuPool
+                from ._cpu import make_pool
 
-                self.pool = CpuPool(opts.kt_cpuinfer) if opts.kt_cpuinfer else CpuPool()
+                self.pool = make_pool(opts)
             return self.pool
 
     def get_placement(self, opts: KTOptions, model: ModelInfo, expert_bytes: int):
@@ -208,6 +208,7 @@ class KTMoEMethod(KTEPWrapperMethod):
         self.placement = placement
         self.gpu_slot = np.asarray(placement.row(self.layer_id), dtype=np.int64)
         self.num_gpu_experts = int(placement.n_slots[self.layer_id])
+        self.gpu_method.num_gpu_experts = self.num_gpu_experts  # as upstream's wrapper tells it
         moe_layers = model.moe_layers or tuple(range(model.num_layers))
         self.is_last_layer = self.layer_id == max(moe_layers)
         d = int(self.options.kt_max_deferred_experts_per_token or 0)

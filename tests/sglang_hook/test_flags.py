@@ -184,3 +184,25 @@ def test_version_guard_leaves_sglang_untouched(monkeypatch, caplog):
     assert "leaves SGLang untouched" in caplog.text
     assert {m for m in sys.modules if m.startswith("sglang")} == before
     assert "kt.sglang_hook._hooks" not in sys.modules or hook._installed is False
+
+
+def test_pool_on_chosen_numa_nodes():
+    """--kt-numa-nodes: the pool's workers run on those nodes' CPUs; the caller's affinity is kept."""
+    import os
+
+    from kt.cpu_ops.pool import numa_nodes
+    from kt.sglang_hook._cpu import make_pool, node_cpus
+
+    before = os.sched_getaffinity(0)
+    node = min(numa_nodes())
+    pool = make_pool(KTOptions(kt_numa_nodes=(node,), kt_cpuinfer=2))
+    try:
+        assert os.sched_getaffinity(0) == before
+        assert set(pool.nodes) == {node} and pool.num_threads == 2
+        cpus = node_cpus((node,))
+        for t in pool._state.threads:
+            assert os.sched_getaffinity(t.native_id) <= cpus
+    finally:
+        pool.shutdown()
+    with pytest.raises(KTArgumentError, match="have no CPU this process may use"):
+        node_cpus((4095,))

@@ -1,0 +1,40 @@
+"""The CPU pool of the plugin's MoE layers, placed on the NUMA nodes ``--kt-numa-nodes`` names.
+
+Worker threads inherit the CPU affinity of the thread that starts them, so the pool is created while
+the calling thread is restricted to the chosen nodes' CPUs; the caller's own affinity is restored
+afterwards. (Memory placement follows first touch; kt does not bind memory.)
+"""
+from __future__ import annotations
+
+import os
+
+from ._flags import KTArgumentError, KTOptions
+
+__all__ = ["make_pool", "node_cpus"]
+
+
+def node_cpus(nodes) -> set[int]:
+    """The CPUs of this thread's affinity set on NUMA ``nodes``; KTArgumentError if none."""
+    from ..cpu_ops.pool import numa_nodes
+
+    have = numa_nodes(set(os.sched_getaffinity(0)))
+    missing = [n for n in nodes if n not in have]
+    if missing:
+        raise KTArgumentError(f"--kt-numa-nodes: node(s) {missing} have no CPU this process may use "
+                              f"(usable nodes: {sorted(have)})")
+    return {c for n in nodes for c in have[n]}
+
+
+def make_pool(opts: KTOptions):
+    """A CpuPool with ``--kt-cpuinfer`` threads (default: the CPUs of the chosen nodes, or all)."""
+    from ..cpu_ops.pool import CpuPool
+
+    if opts.kt_numa_nodes is None:
+        return CpuPool(opts.kt_cpuinfer) if opts.kt_cpuinfer else CpuPool()
+    cpus = node_cpus(opts.kt_numa_nodes)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        return CpuPool(opts.kt_cpuinfer or len(cpus))
+    finally:
+        os.sched_setaffinity(0, before)
