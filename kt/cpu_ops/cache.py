@@ -110,5 +110,7 @@ def install() -> None:
                 return None  # unwritable cache dir: compile without caching
             return self
 
-    caching._CacheImpl._locator_classes.insert(0, KtCacheLocator)
+    # numba < 0.61 names the class _CacheImpl, later versions CacheImpl
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
+    impl._locator_classes.insert(0, KtCacheLocator)
     _installed = True
