@@ -194,6 +194,21 @@ def _check_routing(x, topk_ids, topk_weights, num_experts):
     return ids, tw
 
 
+def _moe_combine(x, topk_ids, topk_weights, num_experts, skip_mask, expert_fn) -> np.ndarray:
+    """out[t] = sum_k w[t,k] * expert_fn(e, x[tokens of e]) over the experts not skipped."""
+    ids, tw = _check_routing(x, topk_ids, topk_weights, num_experts)
+    out = np.zeros(x.shape, np.float64)
+    for e in range(num_experts):
+        if skip_mask is not None and skip_mask[e]:
+            continue
+        tok, slot = np.nonzero(ids == e)
+        if tok.size == 0:
+            continue
+        y = expert_fn(e, x[tok]).astype(np.float64)
+        np.add.at(out, tok, y * tw[tok, slot][:, None])
+    return out.astype(np.float32)
+
+
 def moe_forward(x, topk_ids, topk_weights, w13, w2, skip_mask=None) -> np.ndarray:
     """The MoE expert computation in fp32 (fp64 accumulation).
 
@@ -204,21 +219,13 @@ def moe_forward(x, topk_ids, topk_weights, w13, w2, skip_mask=None) -> np.ndarra
     x = to_numpy_f32(x)
     w13 = to_numpy_f32(w13)
     w2 = to_numpy_f32(w2)
-    e_count, two_i, _ = w13.shape
-    inter = two_i // 2
-    ids, tw = _check_routing(x, topk_ids, topk_weights, e_count)
-    out = np.zeros(x.shape, np.float64)
-    for e in range(e_count):
-        if skip_mask is not None and skip_mask[e]:
-            continue
-        tok, slot = np.nonzero(ids == e)
-        if tok.size == 0:
-            continue
-        gu = linear(x[tok], w13[e])
-        h = silu(gu[:, :inter]) * gu[:, inter:]
-        y = linear(h, w2[e]).astype(np.float64)
-        np.add.at(out, tok, y * tw[tok, slot][:, None])
-    return out.astype(np.float32)
+    inter = w13.shape[1] // 2
+
+    def expert(e, xe):
+        gu = linear(xe, w13[e])
+        return linear(silu(gu[:, :inter]) * gu[:, inter:], w2[e])
+
+    return _moe_combine(x, topk_ids, topk_weights, w13.shape[0], skip_mask, expert)
 
 
 def moe_forward_quantized(x, topk_ids, topk_weights, q13, q2, skip_mask=None) -> np.ndarray:
@@ -228,22 +235,15 @@ def moe_forward_quantized(x, topk_ids, topk_weights, q13, q2, skip_mask=None) ->
     rounded as the scheme's kernels round them (int8 per token, or bf16) before each GEMM.
     """
     x = to_numpy_f32(x)
-    e_count = len(q13)
     scheme = q13[0].scheme
-    ids, tw = _check_routing(x, topk_ids, topk_weights, e_count)
-    out = np.zeros(x.shape, np.float64)
-    for e in range(e_count):
-        if skip_mask is not None and skip_mask[e]:
-            continue
-        tok, slot = np.nonzero(ids == e)
-        if tok.size == 0:
-            continue
+
+    def expert(e, xe):
         inter = q13[e].shape[0] // 2
-        gu = linear(act_roundtrip(x[tok], scheme), dequantize(q13[e]))
+        gu = linear(act_roundtrip(xe, scheme), dequantize(q13[e]))
         h = silu(gu[:, :inter]) * gu[:, inter:]
-        y = linear(act_roundtrip(h, scheme), dequantize(q2[e])).astype(np.float64)
-        np.add.at(out, tok, y * tw[tok, slot][:, None])
-    return out.astype(np.float32)
+        return linear(act_roundtrip(h, scheme), dequantize(q2[e]))
+
+    return _moe_combine(x, topk_ids, topk_weights, len(q13), skip_mask, expert)
 
 
 def relative_error(out, ref) -> float:
