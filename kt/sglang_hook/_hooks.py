@@ -43,9 +43,6 @@ def _from_cli_args(server_args, cls, args):
             logger.info("kt: --init-expert-location %s is read as kt's activation statistics; SGLang's "
                         "own expert location stays trivial", opts.stats_path)
         _no_cuda_graphs(server_args)
-        if opts.kt_enable_dynamic_expert_update:
-            logger.warning("kt: --kt-enable-dynamic-expert-update is accepted but not implemented by kt's "
-                           "SGLang method yet; the placement stays fixed while serving")
     else:
         validate(opts, None)
     server_args._kt_options = opts.to_dict()

@@ -58,6 +58,9 @@ class _Process:
         self.chain = None
         self.stats = None
         self.logged = False
+        self.placer = None
+        self.methods: dict[int, "KTMoEMethod"] = {}
+        self.replacements = 0
 
     def get_pool(self, opts: KTOptions):
         with self.lock:
@@ -82,6 +85,26 @@ class _Process:
             if self.chain is None:
                 self.chain = DeferredChain()
             return self.chain
+
+    def get_placer(self, placement):
+        from ..placement import DynamicPlacer
+
+        with self.lock:
+            if self.placer is None:
+                self.placer = DynamicPlacer(placement.shape, initial=placement)
+            return self.placer
+
+    def maybe_replace(self) -> None:
+        """After the last MoE layer: ask the policy; on a new placement, every layer copies its newly
+        hot experts into their GPU slots (on the forward's stream, so later forwards see them)."""
+        new = self.placer.poll()
+        if new is None:
+            return
+        moved = 0
+        for m in self.methods.values():
+            moved += m._adopt(new)
+        self.replacements += 1
+        logger.info("kt: dynamic expert update %d: %d experts moved to the GPU", self.replacements, moved)
 
     def get_stats(self, path: str, model: ModelInfo):
         from ..placement import ExpertStats
@@ -298,7 +321,55 @@ class KTMoEMethod(KTEPWrapperMethod):
             self._stats = _proc.get_stats(self.options.record_kt_gpu_expert_distribution, self.model)
         else:
             self._stats = None
+        self._dynamic = False
+        if self.options.kt_enable_dynamic_expert_update:
+            why = self._dynamic_unsupported(layer)
+            if why:
+                logger.warning("kt: --kt-enable-dynamic-expert-update is off for layer %d: %s", self.layer_id, why)
+            else:
+                import weakref
+
+                self._layer_ref = weakref.ref(layer)
+                _proc.get_placer(self.placement)
+                _proc.methods[self.layer_id] = self
+                self._dynamic = True
         self._log_start()
+
+    def _dynamic_unsupported(self, layer) -> str | None:
+        if getattr(layer, "quant_config", None) is not None:
+            return "new GPU experts are built from the CPU's weights, which needs an unquantised GPU method"
+        if getattr(layer, "moe_tp_size", 1) != 1:
+            return "tensor parallelism shards the GPU experts; only rank 0 holds the CPU weights"
+        if getattr(self.gpu_method, "use_triton_kernels", False) or getattr(
+                self.gpu_method, "load_up_proj_weight_first", False):
+            return "this GPU MoE backend stores w13 in another layout"
+        if self.cpu is None or getattr(self.cpu, "up_offset", None) != self.model.intermediate:
+            return "the CPU weights are not gate-then-up [2I, H]"
+        return None
+
+    def _adopt(self, placement) -> int:
+        """Switch this layer to ``placement``'s row: copy the newly hot experts (dequantised from the
+        CPU's packed weights) into their slots, then update the id -> slot map in place."""
+        from .._gpu_weights import packed_to_device
+
+        row = np.asarray(placement.row(self.layer_id), dtype=np.int64)
+        old = self.gpu_slot
+        incoming = [(int(e), int(row[e])) for e in np.nonzero(row >= 0)[0] if old[e] != row[e]]
+        layer = self._layer_ref()
+        if incoming and layer is not None:
+            ex = [e for e, _ in incoming]
+            w13, _ = packed_to_device(self.cpu.w13, ex, self.device, "bf16")
+            w2, _ = packed_to_device(self.cpu.w2, ex, self.device, "bf16")
+            for j, (_, s) in enumerate(incoming):
+                layer.w13_weight.data[s].copy_(w13[j])
+                layer.w2_weight.data[s].copy_(w2[j])
+        self.gpu_slot = row
+        self._gpu_mask_np = row >= 0
+        self._any_gpu = bool(self._gpu_mask_np.any())
+        self._e2s.copy_(torch.from_numpy(row.astype(np.int32)))
+        self._cpu_expert.copy_(torch.from_numpy(~self._gpu_mask_np))
+        self.placement = placement
+        return len(incoming)
 
     def _build_cpu(self):
         from ..cpu_ops.moe import CPUMoE
@@ -414,6 +485,12 @@ class KTMoEMethod(KTEPWrapperMethod):
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
         """x [T, H]; routing [T, K] -> StandardCombineInput(hidden_states [T, H])."""
+        out = self._apply(layer, dispatch_output)
+        if self._dynamic and self.is_last_layer:
+            _proc.maybe_replace()
+        return out
+
+    def _apply(self, layer: torch.nn.Module, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
         from sglang.srt.layers.moe.topk import TopKOutputChecker
 
@@ -427,6 +504,8 @@ class KTMoEMethod(KTEPWrapperMethod):
                                       "experts compute SiLU(gate) * up")
         if self._stats is not None:
             self._stats.record(self.layer_id, topk_ids)
+        if self._dynamic:
+            _proc.placer.observe(self.layer_id, topk_ids)
         thr = self.options.kt_gpu_prefill_token_threshold
         if (x.is_cuda and thr is not None and self.cpu is not None
                 and x.shape[0] >= self._prefill_threshold(topk_ids.shape[1])):

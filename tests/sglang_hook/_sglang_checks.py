@@ -391,6 +391,54 @@ def check_convert_on_load(root: Path, pfile: Path):
                                           "int4", 64), "converted while loading (int4)")}
 
 
+@record("fused_moe_dynamic")
+def check_dynamic(root: Path, wdir: Path, pfile: Path):
+    """--kt-enable-dynamic-expert-update: routing that favours cold experts moves them to GPU slots
+    (weights dequantised from the CPU's int8 copy); the layer still matches the reference after."""
+    import torch
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    from kt import reference as R
+    from kt.sglang_hook import _method
+
+    src = tiny_checkpoint(root)
+    init_dist()
+    _method._proc.placer, _method._proc.methods, _method._proc.chain = None, {}, None
+    publish_cli(["--model-path", str(src), "--device", "cpu", "--kt-weight-path", str(wdir),
+                 "--kt-placement", str(pfile), "--kt-enable-dynamic-expert-update"])
+    ws = [expert_weights(src, l) for l in range(L)]
+    layers = [build_layer(l, *ws[l]) for l in range(L)]
+    placer = _method._proc.placer
+    placer.every_n_tokens, placer.drift_threshold, placer.hysteresis = 16, 0.0, 0.0
+    # every token to experts 0 and 2 (cold in layer 0) and 3, 5 (cold in layer 1)
+    x, _, w, logits = routing(32, seed=11)
+    for l, pair in ((0, (0, 2)), (1, (3, 5))):
+        ids = torch.tensor([pair] * 32, dtype=torch.int32)
+        layers[l](x, StandardTopKOutput(w, ids, logits))
+    assert _method._proc.replacements == 1, _method._proc.replacements
+    out = {}
+    for l, pair in ((0, (0, 2)), (1, (3, 5))):
+        qm = layers[l].quant_method
+        assert all(qm.gpu_slot[e] >= 0 for e in pair), qm.gpu_slot.tolist()
+        gate, up, down = ws[l]
+        hot_mask = qm.gpu_slot >= 0
+        w13 = np.concatenate([gate, up], axis=1)
+        w13_hot, w2_hot = w13.copy(), down.copy()
+        for e in np.nonzero(hot_mask & (np.asarray([HOT[l].get(i, -1) for i in range(E)]) < 0))[0]:
+            # a newly hot expert computes with the CPU's int8 values, rounded to bf16 on the way
+            w13_hot[e] = R.bf16_round(R.dequantize(R.quantize(w13[e], "int8")))
+            w2_hot[e] = R.bf16_round(R.dequantize(R.quantize(down[e], "int8")))
+        x2, ids2, w2_, logits2 = routing(20, seed=13)
+        y = layers[l](x2, StandardTopKOutput(w2_, ids2, logits2))
+        ref_hot = R.moe_forward(x2.numpy(), ids2.numpy(), w2_.numpy(), w13_hot, w2_hot, skip_mask=~hot_mask)
+        q13 = [R.quantize(w13[e], "int8") for e in range(E)]
+        q2 = [R.quantize(down[e], "int8") for e in range(E)]
+        ref_cold = R.moe_forward_quantized(x2.numpy(), ids2.numpy(), w2_.numpy(), q13, q2, skip_mask=hot_mask)
+        out[f"layer{l}_max_rel"] = close(y, ref_hot.astype(np.float64) + ref_cold, f"layer {l} after update")
+        out[f"layer{l}_gpu_experts"] = sorted(int(e) for e in np.nonzero(hot_mask)[0])
+    return out
+
+
 def main():
     root = Path(sys.argv[1])
     what = set(sys.argv[2:]) or {"cli", "layer"}
@@ -411,6 +459,7 @@ def main():
         check_fused_moe(root, wdir, pfile, stats)
         check_deferred(root, wdir, pfile)
         check_convert_on_load(root, pfile)
+        check_dynamic(root, wdir, pfile)
     print("\nKT_CHECKS_JSON " + json.dumps(RESULTS, default=str))
 
 

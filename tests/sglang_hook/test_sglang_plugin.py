@@ -101,3 +101,11 @@ def test_fused_moe_deferred_experts_move_to_next_layer(sglang_results):
 
 def test_fused_moe_converts_checkpoint_experts_while_loading(sglang_results):
     _ok(sglang_results[0], "fused_moe_convert_on_load")
+
+
+def test_fused_moe_dynamic_expert_update(sglang_results):
+    """Routing concentrated on cold experts moves them into GPU slots; outputs stay on the reference
+    (asserted inside, rtol 1e-4) with the moved experts computed from the CPU's int8 values."""
+    r = _ok(sglang_results[0], "fused_moe_dynamic")
+    assert r["layer0_gpu_experts"] == [0, 1, 2]  # 3 slots: 0 and 2 came in, 1 was the hottest leftover
+    assert r["layer1_gpu_experts"] == [3, 5]
