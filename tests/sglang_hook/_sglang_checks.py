@@ -303,9 +303,16 @@ def check_fused_moe(root: Path, wdir: Path, pfile: Path, stats: Path):
     logging.getLogger("kt.sglang_hook").addHandler(h)
     logging.getLogger("kt.sglang_hook").setLevel(logging.INFO)
     init_dist()
+    rec = root / "recorded.npz"
     publish_cli(["--model-path", str(src), "--device", "cpu", "--kt-weight-path", str(wdir),
-                 "--kt-method", "AMXINT8", "--kt-placement", str(pfile), "--kt-cpuinfer", "2"])
+                 "--kt-method", "AMXINT8", "--kt-placement", str(pfile), "--kt-cpuinfer", "2",
+                 "--record-kt-gpu-expert-distribution", str(rec)])
     out = {}
+    expect = np.zeros((L, E))
+
+    def count(layer_id, ids):
+        v = ids.numpy().reshape(-1)
+        expect[layer_id] += np.bincount(v[v >= 0], minlength=E)
     for layer_id in range(L):
         gate, up, down = expert_weights(src, layer_id)
         moe = build_layer(layer_id, gate, up, down)
@@ -323,6 +330,7 @@ def check_fused_moe(root: Path, wdir: Path, pfile: Path, stats: Path):
         for T in (1, 7, 40):
             x, ids, w, logits = routing(T, seed=100 * layer_id + T)
             y = moe(x, StandardTopKOutput(w, ids, logits))
+            count(layer_id, ids)
             ref = reference(x.numpy(), ids.numpy(), w.numpy(), gate, up, down, hot_mask, "int8")
             out[f"layer{layer_id}_T{T}_max_rel"] = close(y, ref, f"layer {layer_id} T={T}")
         # a batch routed only to CPU experts and one only to GPU experts
@@ -330,10 +338,17 @@ def check_fused_moe(root: Path, wdir: Path, pfile: Path, stats: Path):
         cold_ids = np.nonzero(~hot_mask)[0]
         ids_c = torch.from_numpy(np.stack([cold_ids[:K]] * 5).astype(np.int32))
         y = moe(x, StandardTopKOutput(w, ids_c, logits))
+        count(layer_id, ids_c)
         close(y, reference(x.numpy(), ids_c.numpy(), w.numpy(), gate, up, down, hot_mask, "int8"), "all cold")
         ids_h = torch.from_numpy(np.stack([sorted(hot)[:K]] * 5).astype(np.int32))
         y = moe(x, StandardTopKOutput(w, ids_h, logits))
+        count(layer_id, ids_h)
         close(y, reference(x.numpy(), ids_h.numpy(), w.numpy(), gate, up, down, hot_mask, "int8"), "all hot")
+    from kt.placement import ExpertStats
+    from kt.sglang_hook import _method
+
+    _method._proc._save_stats(str(rec))  # what the atexit hook does
+    out["recorded_counts_match"] = bool(np.array_equal(ExpertStats.load(rec).counts, expect))
     line = [l for l in logs.getvalue().splitlines() if "SGLang integration active" in l]
     out["log"] = line
     return out
