@@ -17,3 +17,11 @@ register("gemv", S.INT4, "amx", f"{_M}.kernels_amx:gemv_int4")
 register("gemm", S.INT4, "amx", f"{_M}.kernels_amx:gemm_int4")
 register("gemv", S.BF16, "amx", f"{_M}.kernels_amx:gemv_bf16")
 register("gemm", S.BF16, "amx", f"{_M}.kernels_amx:gemm_bf16")
+
+# AVX-512 (kernels_avx512.py): INT8 / INT4 need VNNI (vpdpbusd), BF16 needs AVX512_BF16.
+register("gemv", S.INT8, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int8")
+register("gemm", S.INT8, "avx512_vnni", f"{_M}.kernels_avx512:gemm_int8")
+register("gemv", S.INT4, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int4")
+register("gemm", S.INT4, "avx512_vnni", f"{_M}.kernels_avx512:gemm_int4")
+register("gemv", S.BF16, "avx512_bf16", f"{_M}.kernels_avx512:gemv_bf16")
+register("gemm", S.BF16, "avx512_bf16", f"{_M}.kernels_avx512:gemm_bf16")
