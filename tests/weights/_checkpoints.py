@@ -61,7 +61,7 @@ def hf_checkpoint(root: Path, family: str, dtype: str = "float32", max_shard_siz
     cfg = _configs()[family]
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(sorted(_configs()).index(family) + 11)  # differ per family
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".experts." in name:
