@@ -31,7 +31,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _load(args):
     from ..hf._patch import PatchConfig
-    from ..hf.run import load_model
+    from ..hf.run import _check_model_dir, load_model
+
+    _check_model_dir(args.model_dir)
 
     patch = None
     if not args.no_kt:

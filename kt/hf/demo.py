@@ -30,10 +30,19 @@ DEMO_MODEL = dict(family="qwen3_moe", hidden_size=256, moe_intermediate_size=128
 
 @contextmanager
 def _working(desc: str, out):
-    """A tqdm line with elapsed time for a step of unknown length (ticks twice a second)."""
+    """Show a step of unknown length: a ticking tqdm line on a terminal, else two plain lines."""
+    import sys
+
+    stream = out or sys.stdout
+    t0 = time.perf_counter()
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        print(f"{desc} ...", file=stream, flush=True)
+        yield None
+        print(f"{desc}: done in {time.perf_counter() - t0:.1f} s", file=stream, flush=True)
+        return
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=None, desc=desc, bar_format="{desc}: {elapsed}", file=out, leave=True)
+    bar = tqdm(total=None, desc=desc, bar_format="{desc}: {elapsed}", file=stream, leave=True)
     stop = threading.Event()
 
     def tick():

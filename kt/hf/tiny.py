@@ -109,7 +109,7 @@ def init_random_weights(model, seed: int = 0) -> None:
             elif p.ndim == 2 and "embed_tokens" in name:
                 w = normal(shape, 1.0)
             elif p.ndim == 2 and "lm_head" in name:
-                w = normal(shape, router_std / math.sqrt(shape[1]))
+                w = normal(shape, 2.0 / math.sqrt(shape[1]))
             elif p.ndim == 2 and name.endswith("mlp.gate.weight"):
                 w = normal(shape, router_std / math.sqrt(shape[1]))
             elif p.ndim == 2:

@@ -139,11 +139,15 @@ def test_already_patched_and_nothing_changed_on_failure():
     m = patch_model(tiny_model("olmoe"), PatchConfig(scheme="int8"), progress=False)
     with pytest.raises(ValueError, match="already patched"):
         patch_model(m)
-    # a failing patch leaves the model untouched
+    # a patch refused during validation leaves the model untouched
+    from kt.placement import Placement
+
     m2 = tiny_model("olmoe")
-    with pytest.raises(ValueError, match="placement"):
-        patch_model(m2, PatchConfig(scheme="int8", backend="reference", placement=object()))
+    wrong = Placement.all_cpu(m2.config.num_hidden_layers + 1, 16)
+    with pytest.raises(ValueError):
+        patch_model(m2, PatchConfig(scheme="int8", placement=wrong), progress=False)
     assert not any(isinstance(x, KTExperts) for x in m2.modules())
+    assert not hasattr(m2, "kt_patch")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -187,3 +191,24 @@ def test_placement_hooks():
     half = Placement.from_mask(torch.arange(E).repeat(L, 1).numpy() % 2 == 0)
     with pytest.raises(ValueError, match="puts experts on the GPU"):
         patch_model(copy.deepcopy(ref), PatchConfig(scheme="int8", placement=half), progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (HybridMoE's GPU experts)")
+@pytest.mark.parametrize("scheme", ["bf16", "int8"])
+def test_hybrid_half_the_experts_on_gpu_matches_cpu_only(scheme):
+    """Acceptance on a GPU machine: half of each layer's experts on the GPU (HybridMoE) agrees
+    with the all-CPU run, and both with unpatched transformers, within the scheme's bound."""
+    require_kt_backend()
+    from kt.placement import Placement
+
+    ref = tiny_model("qwen3_moe").cuda()
+    L, E = ref.config.num_hidden_layers, 16
+    half = Placement.from_mask(torch.arange(E).repeat(L, 1).numpy() % 2 == 1)
+    prompts = [p.cuda() for p in random_prompts(ref.config.vocab_size, n=3, length=24, seed=0)]
+    cpu = patch_model(copy.deepcopy(ref), PatchConfig(scheme=scheme), progress=False)
+    hyb = patch_model(copy.deepcopy(ref), PatchConfig(scheme=scheme, placement=half), progress=False)
+    assert hyb.kt_patch.backend == "hybrid" and cpu.kt_patch.backend == "cpu"
+    a_hc = compare_models(cpu, hyb, prompts, greedy_steps=GREEDY_STEPS)
+    a_hr = compare_models(ref, hyb, prompts, greedy_steps=0)
+    print(f"hybrid vs cpu-only {scheme}: {a_hc}\nhybrid vs transformers {scheme}: {a_hr}")
+    assert a_hc.mean_kl <= KL_BOUNDS[scheme] and a_hr.mean_kl <= KL_BOUNDS[scheme]
