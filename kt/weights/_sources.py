@@ -201,12 +201,15 @@ class HFSource:
                 f"{self.root}: checkpoint has no routed-expert tensors (architecture "
                 f"{self.architecture!r}; looked for '...layers.{{L}}.{fam.block}.experts.{{e}}."
                 f"{{{gate_n},{up_n},{down_n}}}.weight' and fused '...experts.gate_up_proj')")
-        cfg = self.config
-        self.hidden = int(cfg.get("hidden_size", 0)) or None
-        self.num_experts = cfg.get(fam.experts_key)
-        self.inter = cfg.get(fam.inter_key)
         first = self.layer(self.moe_layers[0])
         self.hidden, self.num_experts, self.inter = first.hidden, first.num_experts, first.inter
+
+    def _check_config(self, L: int, H: int, I: int) -> None:
+        for key, got in (("hidden_size", H), (self.family.inter_key, I)):
+            want = self.config.get(key)
+            if want is not None and int(want) != got:
+                raise SourceError(f"{self.root}: layer {L} experts have {key} = {got} but "
+                                  f"config.json says {want}")
 
     def identity(self) -> dict:
         files = [{"name": f, "bytes": (self.root / f).stat().st_size} for f in sorted(self._files)]
@@ -246,6 +249,7 @@ class HFSource:
                     raise SourceError(f"{self.root}: layer {L} expert {e}: tensor '{p}.weight' missing")
         g0, dt = self._tensor(entries[(0, gate_n, "weight")])
         I, H = (int(s) for s in g0.shape)
+        self._check_config(L, H, I)
         total = 0
         for e in experts:
             for p, shp in ((gate_n, (I, H)), (up_n, (I, H)), (down_n, (H, I))):
@@ -314,6 +318,7 @@ class HFSource:
         if dn.shape != (E, H, I):
             raise SourceError(f"{self.root / ent['down_proj'][0]}: {ent['down_proj'][1]} has shape "
                               f"{list(dn.shape)}; expected [{E}, {H}, {I}] (E, H, I)")
+        self._check_config(L, H, I)
         from ._pack import as_kernel_source
 
         def get(e):

@@ -165,3 +165,14 @@ def test_truncated_source(ckpts, tmp_path):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(SourceError, match="truncated"):
         convert(broken, tmp_path / "o", "int8", progress=False)
+
+
+def test_config_disagrees_with_tensors(tmp_path):
+    from _checkpoints import small_checkpoint
+
+    src, _ = small_checkpoint(tmp_path, 1, 4)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 99
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match="moe_intermediate_size = 32 but config.json says 99"):
+        convert(src, tmp_path / "o", "int8", progress=False)
