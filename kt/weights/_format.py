@@ -115,7 +115,8 @@ def read_manifest(out_dir: str | Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise WeightFormatError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-        raise WeightFormatError(f"{path}: not a kt weight manifest (format={m.get('format') if isinstance(m, dict) else None!r}, "
+        found = m.get("format") if isinstance(m, dict) else None
+        raise WeightFormatError(f"{path}: not a kt weight manifest (format={found!r}, "
                                 f"expected {FORMAT_NAME!r})")
     v = m.get("format_version")
     if not isinstance(v, int):

@@ -39,7 +39,8 @@ class GGUFSource:
         try:
             self.reader = gguf.GGUFReader(self.path, "r")
         except Exception as exc:  # the reader raises ValueError/struct.error/... on bad files
-            raise SourceError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+            raise SourceError(f"{self.path}: not a readable GGUF file "
+                              f"({type(exc).__name__}: {exc})") from None
         arch_field = self.reader.fields.get("general.architecture")
         self.architecture = str(arch_field.contents()) if arch_field is not None else None
         self.model_type = self.architecture

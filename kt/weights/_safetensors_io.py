@@ -164,8 +164,9 @@ class _Sink:
                 self._mm = np.memmap(self._path, dtype=np.uint8, mode="r+", shape=(total,))
             for name, (shape, dt) in self._tensors.items():
                 b0, b1 = self._entries[name]["data_offsets"]
-                self._arrays[name] = (self._mm[self._start + b0: self._start + b1].view(np.dtype(dt)).reshape(shape)
-                                      if b1 > b0 else np.zeros(shape, dt))
+                raw = self._mm[self._start + b0: self._start + b1] if b1 > b0 else None
+                self._arrays[name] = (raw.view(np.dtype(dt)).reshape(shape) if raw is not None
+                                      else np.zeros(shape, dt))
         return self._arrays
 
     def close(self) -> None:
