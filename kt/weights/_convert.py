@@ -12,6 +12,7 @@ H=7168, 2 threads: 0.35 GB). It never depends on the number of layers or experts
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,8 @@ from ._safetensors_io import SafetensorsFile, write_json_atomic, write_safetenso
 from ._sources import SourceError, open_source
 
 __all__ = ["convert", "verify", "parse_layers"]
+
+LOCK = ".kt-convert.lock"
 
 
 def parse_layers(spec: str | None) -> list[int] | None:
@@ -161,55 +164,79 @@ def convert(source, out_dir, scheme: QuantScheme | str = "int8", group_size: int
                              f"(MoE layers: {src.moe_layers})")
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        params = _params(src, scheme, g, want)
-        done = _resume_state(out, params, force)
-        if done is None:  # already complete and verified
-            return read_manifest(out)
-        _remove_stale_temps(out)
-        files = dict(done)
-        todo = [L for L in want if str(L) not in files]
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        with _dir_lock(out):
+            params = _params(src, scheme, g, want)
+            done = _resume_state(out, params, force)
+            if done is None:  # already complete and verified
+                return read_manifest(out)
+            _remove_stale_temps(out)
+            files = dict(done)
+            todo = [L for L in want if str(L) not in files]
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(want), initial=len(want) - len(todo), unit="layer",
-                       desc=f"kt convert {scheme.value}", dynamic_ncols=True)
-        t0 = time.perf_counter()
-        nbytes = 0
-        with ThreadPoolExecutor(threads) as pool:
-            for L in todo:
-                lx = src.layer(L)
-                if (lx.num_experts, lx.hidden, lx.inter) != (src.num_experts, src.hidden, src.inter):
-                    raise SourceError(f"{source}: layer {L} has E, H, I = {lx.num_experts}, {lx.hidden}, "
-                                      f"{lx.inter}; layer {src.moe_layers[0]} has {src.num_experts}, "
-                                      f"{src.hidden}, {src.inter}")
-                name = layer_file_name(L)
-                _convert_layer(lx, scheme, g, out / name, pool, fsync)
-                files[str(L)] = {"file": name, "bytes": (out / name).stat().st_size,
-                                 "checksum": file_checksum(out / name, threads)}
-                write_json_atomic(out / PARTIAL, {**params, "files": files})
-                nbytes += lx.source_bytes
+                bar = tqdm(total=len(want), initial=len(want) - len(todo), unit="layer",
+                           desc=f"kt convert {scheme.value}", dynamic_ncols=True)
+            t0 = time.perf_counter()
+            nbytes = 0
+            try:
+                with ThreadPoolExecutor(threads) as pool:
+                    for L in todo:
+                        lx = src.layer(L)
+                        got = (lx.num_experts, lx.hidden, lx.inter)
+                        first = (src.num_experts, src.hidden, src.inter)
+                        if got != first:
+                            raise SourceError(f"{source}: layer {L} has (E, H, I) = {got}; layer "
+                                              f"{src.moe_layers[0]} has {first}")
+                        name = layer_file_name(L)
+                        _convert_layer(lx, scheme, g, out / name, pool, fsync)
+                        files[str(L)] = {"file": name, "bytes": (out / name).stat().st_size,
+                                         "checksum": file_checksum(out / name, threads)}
+                        write_json_atomic(out / PARTIAL, {**params, "files": files})
+                        nbytes += lx.source_bytes
+                        if bar is not None:
+                            dt = max(time.perf_counter() - t0, 1e-9)
+                            bar.set_postfix_str(f"{nbytes / dt / 1e9:.2f} GB/s", refresh=False)
+                            bar.update(1)
+                        if on_layer_done is not None:
+                            on_layer_done(L)
+            finally:
                 if bar is not None:
-                    dt = max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix_str(f"{nbytes / dt / 1e9:.2f} GB/s", refresh=False)
-                    bar.update(1)
-                if on_layer_done is not None:
-                    on_layer_done(L)
-        if bar is not None:
-            bar.close()
-        manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
-                    "kt_version": __version__, "scheme": scheme.value, "group_size": g,
-                    "num_experts": src.num_experts, "hidden_size": src.hidden,
-                    "intermediate_size": src.inter,
-                    **_shape_meta(scheme, src.num_experts, src.hidden, src.inter, g),
-                    "layers": want, "architecture": src.architecture, "model_type": src.model_type,
-                    "source": params["source"], "checksum_algorithm": CHECKSUM_ALGO,
-                    "files": {str(L): files[str(L)] for L in want}}
-        write_json_atomic(out / MANIFEST, manifest)
-        (out / PARTIAL).unlink(missing_ok=True)
-        return manifest
+                    bar.close()
+            manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+                        "kt_version": __version__, "scheme": scheme.value, "group_size": g,
+                        "num_experts": src.num_experts, "hidden_size": src.hidden,
+                        "intermediate_size": src.inter,
+                        **_shape_meta(scheme, src.num_experts, src.hidden, src.inter, g),
+                        "layers": want, "architecture": src.architecture,
+                        "model_type": src.model_type,
+                        "source": params["source"], "checksum_algorithm": CHECKSUM_ALGO,
+                        "files": {str(L): files[str(L)] for L in want}}
+            write_json_atomic(out / MANIFEST, manifest)
+            (out / PARTIAL).unlink(missing_ok=True)
+            return manifest
     finally:
         src.close()
+
+
+@contextlib.contextmanager
+def _dir_lock(out: Path):
+    """An exclusive flock on OUT_DIR/.kt-convert.lock for the whole run: a second conversion into
+    the same directory fails at once instead of deleting the first one's temp files. The kernel
+    drops the lock when the process dies, so a killed run never leaves it held."""
+    import fcntl
+
+    f = open(out / LOCK, "a+")
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WeightFormatError(f"{out}: another kt convert is writing into this directory "
+                                    f"(it holds {out / LOCK})") from None
+        yield
+    finally:
+        f.close()
 
 
 def _remove_stale_temps(out: Path) -> None:

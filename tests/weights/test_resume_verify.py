@@ -170,4 +170,18 @@ def test_nan_in_source_fails_cleanly(tmp_path):
     out = tmp_path / "o"
     with pytest.raises(ValueError, match="layer 1 expert 2: 1 rows/groups hold NaN or Inf"):
         convert(src, out, "int8", progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["layer_00000.safetensors", "manifest.partial.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".kt-convert.lock", "layer_00000.safetensors",
+                                                     "manifest.partial.json"]
+
+
+def test_concurrent_conversion_refused(src, tmp_path):
+    import fcntl
+
+    out = tmp_path / "o"
+    out.mkdir()
+    with open(out / ".kt-convert.lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(WeightFormatError, match="another kt convert is writing into this directory"):
+            convert(src[0], out, "int8", progress=False)
+    convert(src[0], out, "int8", progress=False)  # the lock is free again
+    assert verify(out) == []
