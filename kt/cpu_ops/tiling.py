@@ -13,11 +13,7 @@ from numba.extending import register_jitable
 
 from ..config import QuantScheme
 
-__all__ = ["TileConfig", "choose", "gemm_m_chunk", "GEMV_MAX_M", "ACT_CHUNK_BYTES"]
-
-# Decode-sized batches stream each weight line once per token group of the gemv kernel; above this
-# the gemm kernel's 4-token x 4-block register tile reads each line once per 4 tokens.
-GEMV_MAX_M = 8
+__all__ = ["TileConfig", "choose", "gemm_m_chunk", "gemv_max_m", "ACT_CHUNK_BYTES"]
 # Activation rows of one gemm M chunk are kept within this many bytes so they stay in L2 (1-2 MiB
 # per core on the targets) next to the weight group (4 blocks x 16 rows x D) being swept.
 ACT_CHUNK_BYTES = 256 * 1024
@@ -34,6 +30,22 @@ def gemm_m_chunk(m: int, row_bytes: int) -> int:
     return mc
 
 
+def gemv_max_m(scheme: QuantScheme | str, variant: str) -> int:
+    """Largest M for which ``gemv`` beats ``gemm`` (measured, 1536 x 2048, one thread, Zen 4).
+
+    gemv handles one token per pass over a weight group (lines re-read from L1/L2 for the next
+    token); gemm's 4-token tile reads each line once per 4 tokens but wastes lanes when M < 4.
+    AVX-512: gemv wins only at M = 1 (INT4, whose unpacking gemv does once per token: M <= 2);
+    AVX2 (4-token gemm tile of 1 block): M <= 3. AMX: its own kernels, switch at 4.
+    """
+    scheme = QuantScheme.parse(scheme)
+    if variant == "amx":
+        return 4
+    if variant == "avx2" or variant == "avx512":
+        return 3
+    return 2 if scheme is QuantScheme.INT4 else 1
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """op: "gemv" or "gemm"; n_blocks_per_task: 16-row blocks per kernel launch (thread task)."""
@@ -46,7 +58,7 @@ def choose(m: int, n: int, d: int, scheme: QuantScheme | str, variant: str,
            threads: int = 1, op: str | None = None) -> TileConfig:
     """Pick the kernel op and the N split for an [M, D] x [N, D]^T product.
 
-    gemv for M <= GEMV_MAX_M (AMX's tiles pay off from fewer rows: 4), gemm above. The N blocks
+    gemv for M <= ``gemv_max_m(scheme, variant)``, gemm above. The N blocks
     are split into about 4 tasks per thread, each a multiple of 4 blocks (the kernels' block
     group), so threads stay balanced without splitting a group.
     """
@@ -54,8 +66,7 @@ def choose(m: int, n: int, d: int, scheme: QuantScheme | str, variant: str,
     if m < 1 or n < 1 or d < 1:
         raise ValueError(f"tiling needs positive M, N, D; got M={m}, N={n}, D={d}")
     if op is None:
-        limit = 4 if variant == "amx" else GEMV_MAX_M
-        op = "gemv" if m <= limit else "gemm"
+        op = "gemv" if m <= gemv_max_m(scheme, variant) else "gemm"
     elif op not in ("gemv", "gemm"):
         raise ValueError(f"op must be 'gemv' or 'gemm', got {op!r}")
     nb = -(-n // 16)

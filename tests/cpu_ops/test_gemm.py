@@ -212,3 +212,19 @@ def test_linear_rejects_bad_input():
     if "amx" not in VARIANTS:
         with pytest.raises(isa.UnsupportedVariantError, match="amx"):
             gemm.linear(x, p, variant="amx")
+
+
+def test_tiling_choice():
+    from kt.cpu_ops import tiling
+
+    assert tiling.choose(1, 1536, 2048, "int8", "avx512_vnni").op == "gemv"
+    assert tiling.choose(512, 1536, 2048, "int8", "avx512_vnni").op == "gemm"
+    assert tiling.choose(2, 768, 2048, "int4", "avx2").op == "gemv"
+    assert tiling.choose(512, 768, 2048, "bf16", "avx2", op="gemv").op == "gemv"  # override
+    t = tiling.choose(7, 1408, 2048, "int8", "avx512_bf16", threads=2)
+    assert t.n_blocks_per_task % 4 == 0 and t.n_blocks_per_task * 8 >= 1408 // 16
+    assert tiling.gemm_m_chunk(1000, 2048) % 4 == 0 and tiling.gemm_m_chunk(3, 2048) == 3
+    with pytest.raises(ValueError, match="op"):
+        tiling.choose(1, 16, 64, "int8", "avx2", op="gemx")
+    with pytest.raises(ValueError, match="positive"):
+        tiling.choose(0, 16, 64, "int8", "avx2")

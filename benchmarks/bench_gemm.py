@@ -1,0 +1,405 @@
+"""CPU GEMM kernel benchmark: every scheme x every distinct kernel this host runs x M, on one thread.
+
+Measures, in one process, interleaving kernels so machine noise hits them alike:
+- roofline: memory read bandwidth (16 streams of 512-bit loads over >= 1 GiB, 1 and 2 Python
+  threads calling a nogil kernel) and compute peaks (register-resident vpdpbusd / vdpbf16ps loops,
+  AVX2 vpmaddubsw+vpmaddwd and FMA loops; AMX peaks from kernels_amx.peak_* where AMX runs);
+- per (scheme, kernel variant, M, N x D): median and min time, GB/s of weights, TOPS, and the
+  fraction of the roofline time max(bytes / BW_1thread, ops / peak);
+- decode (M = 1) reads weights cold: each call uses the next of a pool of weight copies totalling
+  >= 256 MB (> 2x the 32 MiB L3); larger M reuses one copy (compute-bound);
+- first-call compile time of the host variant's kernels and their cached load time in a new process.
+
+Writes benchmarks/results/gemm.json and gemm.md. Usage:
+    python benchmarks/bench_gemm.py [--reps 5] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+from kt.config import QuantScheme
+from kt.cpu_ops import gemm, isa, packing, registry, tiling
+from kt.cpu_ops._simd import (
+    bcast4_i32x8, bcast4_i32x16, dpbf16ps512, load_i32x16, pmaddubsw256, pmaddwd256, splat_f32x16, splat_f32x8,
+    splat_i16x16, splat_i32x16, splat_i32x8, store, vadd, vfma, vor, vpdpbusd512)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = [(1536, 2048), (2048, 768)]
+MS = [1, 32, 512, 2048]
+POOL_BYTES = 256 << 20
+
+
+# ----------------------------------------------------------------------------- roofline kernels
+
+@njit(nogil=True)
+def _read_bw(buf, lo, hi, streams):
+    """Read buf[lo:hi) (bytes) as ``streams`` interleaved streams of 2 x 64-byte loads."""
+    acc = splat_i32x16(0)
+    acc2 = acc
+    span = (hi - lo) // streams // 128 * 128
+    for off in range(0, span, 128):
+        for s in range(streams):
+            b = lo + s * span + off
+            acc = vor(acc, load_i32x16(buf, b))
+            acc2 = vor(acc2, load_i32x16(buf, b + 64))
+    out = np.zeros(16, np.int32)
+    store(out, 0, vor(acc, acc2))
+    return out[0], span * streams
+
+
+@njit(nogil=True)
+def _peak_vnni(n, seed):
+    a = bcast4_i32x16(seed, 0)
+    c0 = splat_i32x16(0)
+    c1, c2, c3, c4, c5, c6, c7 = c0, c0, c0, c0, c0, c0, c0
+    c8, c9, c10, c11 = c0, c0, c0, c0
+    for _ in range(n):
+        c0 = vpdpbusd512(c0, a, a)
+        c1 = vpdpbusd512(c1, a, a)
+        c2 = vpdpbusd512(c2, a, a)
+        c3 = vpdpbusd512(c3, a, a)
+        c4 = vpdpbusd512(c4, a, a)
+        c5 = vpdpbusd512(c5, a, a)
+        c6 = vpdpbusd512(c6, a, a)
+        c7 = vpdpbusd512(c7, a, a)
+        c8 = vpdpbusd512(c8, a, a)
+        c9 = vpdpbusd512(c9, a, a)
+        c10 = vpdpbusd512(c10, a, a)
+        c11 = vpdpbusd512(c11, a, a)
+    s = vadd(vadd(vadd(c0, c1), vadd(c2, c3)), vadd(vadd(c4, c5), vadd(c6, c7)))
+    s = vadd(s, vadd(vadd(c8, c9), vadd(c10, c11)))
+    out = np.zeros(16, np.int32)
+    store(out, 0, s)
+    return out[0], n * 12 * 16 * 4 * 2  # ops: 64 MACs per instruction
+
+
+@njit(nogil=True)
+def _peak_dpbf16(n, seed):
+    a = bcast4_i32x16(seed, 0)
+    c0 = splat_f32x16(0.0)
+    c1, c2, c3, c4, c5, c6, c7 = c0, c0, c0, c0, c0, c0, c0
+    c8, c9, c10, c11 = c0, c0, c0, c0
+    for _ in range(n):
+        c0 = dpbf16ps512(c0, a, a)
+        c1 = dpbf16ps512(c1, a, a)
+        c2 = dpbf16ps512(c2, a, a)
+        c3 = dpbf16ps512(c3, a, a)
+        c4 = dpbf16ps512(c4, a, a)
+        c5 = dpbf16ps512(c5, a, a)
+        c6 = dpbf16ps512(c6, a, a)
+        c7 = dpbf16ps512(c7, a, a)
+        c8 = dpbf16ps512(c8, a, a)
+        c9 = dpbf16ps512(c9, a, a)
+        c10 = dpbf16ps512(c10, a, a)
+        c11 = dpbf16ps512(c11, a, a)
+    s = vadd(vadd(vadd(c0, c1), vadd(c2, c3)), vadd(vadd(c4, c5), vadd(c6, c7)))
+    s = vadd(s, vadd(vadd(c8, c9), vadd(c10, c11)))
+    out = np.zeros(16, np.float32)
+    store(out, 0, s)
+    return out[0], n * 12 * 16 * 2 * 2  # ops: 32 MACs per instruction
+
+
+@njit(nogil=True)
+def _peak_avx2_int8(n, seed):
+    """vpmaddubsw + vpmaddwd + vpaddd: 32 byte MACs per 3 instructions (the AVX2 INT8 inner op).
+    Each chain feeds its accumulator back so nothing is loop-invariant."""
+    a = bcast4_i32x8(seed, 0)
+    ones = splat_i16x16(1)
+    c0 = splat_i32x8(0)
+    c1, c2, c3, c4, c5, c6, c7 = c0, c0, c0, c0, c0, c0, c0
+    c8, c9, c10, c11 = c0, c0, c0, c0
+    for _ in range(n):
+        c0 = vadd(c0, pmaddwd256(pmaddubsw256(a, c0), ones))
+        c1 = vadd(c1, pmaddwd256(pmaddubsw256(a, c1), ones))
+        c2 = vadd(c2, pmaddwd256(pmaddubsw256(a, c2), ones))
+        c3 = vadd(c3, pmaddwd256(pmaddubsw256(a, c3), ones))
+        c4 = vadd(c4, pmaddwd256(pmaddubsw256(a, c4), ones))
+        c5 = vadd(c5, pmaddwd256(pmaddubsw256(a, c5), ones))
+        c6 = vadd(c6, pmaddwd256(pmaddubsw256(a, c6), ones))
+        c7 = vadd(c7, pmaddwd256(pmaddubsw256(a, c7), ones))
+        c8 = vadd(c8, pmaddwd256(pmaddubsw256(a, c8), ones))
+        c9 = vadd(c9, pmaddwd256(pmaddubsw256(a, c9), ones))
+        c10 = vadd(c10, pmaddwd256(pmaddubsw256(a, c10), ones))
+        c11 = vadd(c11, pmaddwd256(pmaddubsw256(a, c11), ones))
+    s = vadd(vadd(vadd(c0, c1), vadd(c2, c3)), vadd(vadd(c4, c5), vadd(c6, c7)))
+    s = vadd(s, vadd(vadd(c8, c9), vadd(c10, c11)))
+    out = np.zeros(8, np.int32)
+    store(out, 0, s)
+    return out[0], n * 12 * 32 * 2
+
+
+@njit(nogil=True)
+def _peak_fma256(n, seed):
+    c0 = splat_f32x8(seed[0])
+    a = splat_f32x8(1.0000001)
+    b = splat_f32x8(1e-7)
+    c1, c2, c3, c4, c5, c6, c7 = c0, c0, c0, c0, c0, c0, c0
+    c8, c9, c10, c11 = c0, c0, c0, c0
+    for _ in range(n):
+        c0 = vfma(c0, a, b)
+        c1 = vfma(c1, a, b)
+        c2 = vfma(c2, a, b)
+        c3 = vfma(c3, a, b)
+        c4 = vfma(c4, a, b)
+        c5 = vfma(c5, a, b)
+        c6 = vfma(c6, a, b)
+        c7 = vfma(c7, a, b)
+        c8 = vfma(c8, a, b)
+        c9 = vfma(c9, a, b)
+        c10 = vfma(c10, a, b)
+        c11 = vfma(c11, a, b)
+    s = vadd(vadd(vadd(c0, c1), vadd(c2, c3)), vadd(vadd(c4, c5), vadd(c6, c7)))
+    s = vadd(s, vadd(vadd(c8, c9), vadd(c10, c11)))
+    out = np.zeros(8, np.float32)
+    store(out, 0, s)
+    return out[0], n * 12 * 8 * 2
+
+
+def measure_bandwidth(gib: float = 1.0, piece: int = 4 << 20) -> dict:
+    """Cold read bandwidth: passes over a >= 1 GiB buffer (>> L3) in ``piece``-byte calls.
+
+    On this shared machine single long timings are often hit by other processes, so each pass is
+    timed per piece and the median piece rate is the figure (the same statistic as the GEMM
+    medians); 1, 4 and 16 streams per piece are tried and the best median is kept. 2 threads: each
+    reads its half in pieces with that stream count; total bytes / wall time (best of 2 passes).
+    """
+    buf = np.ones(int(gib * (1 << 30)), np.uint8)
+    _read_bw(buf, 0, 1 << 20, 1)  # compile
+    per_streams = {}
+    for ns in (1, 4, 16):
+        rates = []
+        for o in range(0, len(buf) - piece + 1, piece):
+            t0 = time.perf_counter()
+            nbytes = _read_bw(buf, o, o + piece, ns)[1]
+            rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+        per_streams[ns] = (float(np.median(rates)), float(np.max(rates)))
+    best_ns = max(per_streams, key=lambda k: per_streams[k][0])
+    res = {"piece_bytes": piece, "buffer_bytes": len(buf),
+           "streams_median_GBps": {k: round(v[0], 2) for k, v in per_streams.items()},
+           "1_thread_GBps": round(per_streams[best_ns][0], 2),
+           "1_thread_max_GBps": round(per_streams[best_ns][1], 2)}
+    half = len(buf) // 2
+    best2 = 0.0
+    for _ in range(2):
+        got = [0, 0]
+
+        def work(i):
+            for o in range(i * half, (i + 1) * half - piece + 1, piece):
+                got[i] += _read_bw(buf, o, o + piece, best_ns)[1]
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        best2 = max(best2, sum(got) / (time.perf_counter() - t0) / 1e9)
+    res["2_thread_GBps"] = round(best2, 2)
+    del buf
+    return res
+
+
+def measure_peaks(variants: list[str]) -> dict:
+    seed8 = np.full(4, 3, np.int8)
+    peaks = {}
+
+    def best(fn, arg, n=300_000, reps=7):
+        fn(10, arg)
+        r = 0.0
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            _, ops = fn(n, arg)
+            r = max(r, ops / (time.perf_counter() - t0) / 1e12)
+        return round(r, 3)
+
+    if "avx512_vnni" in variants:
+        peaks["vpdpbusd_int8_TOPS"] = best(_peak_vnni, seed8)
+    if "avx512_bf16" in variants:
+        peaks["vdpbf16ps_bf16_TFLOPS"] = best(_peak_dpbf16, np.full(2, 0x3F80, np.uint16))
+    peaks["avx2_int8_TOPS"] = best(_peak_avx2_int8, seed8)
+    peaks["fma256_fp32_TFLOPS"] = best(_peak_fma256, np.ones(1, np.float32))
+    if "amx" in variants:
+        from kt.cpu_ops import kernels_amx
+
+        for name, key in (("peak_int8", "amx_int8_TOPS"), ("peak_bf16", "amx_bf16_TFLOPS")):
+            fn = getattr(kernels_amx, name, None)
+            if fn is not None:
+                peaks[key] = round(float(fn()) / 1e12, 3) if float(fn()) > 1e6 else float(fn())
+    return peaks
+
+
+def peak_for(scheme: QuantScheme, variant: str, peaks: dict) -> float | None:
+    """Compute peak (ops/s) for a kernel variant; None when not measured."""
+    if variant == "amx":
+        k = "amx_bf16_TFLOPS" if scheme is QuantScheme.BF16 else "amx_int8_TOPS"
+    elif variant.startswith("avx512"):
+        k = "vdpbf16ps_bf16_TFLOPS" if scheme is QuantScheme.BF16 else "vpdpbusd_int8_TOPS"
+    else:
+        k = "fma256_fp32_TFLOPS" if scheme is QuantScheme.BF16 else "avx2_int8_TOPS"
+    v = peaks.get(k)
+    return None if v is None else v * 1e12
+
+
+# ----------------------------------------------------------------------------- GEMM timing
+
+def distinct_kernels(scheme: QuantScheme, variants) -> list[str]:
+    """Registry variants of the distinct kernel pairs the runnable variants resolve to."""
+    seen = []
+    for v in variants:
+        r = registry.lookup("gemv", scheme, v).variant
+        if r not in seen:
+            seen.append(r)
+    return seen
+
+
+def time_case(scheme, kvariants, m, n, d, reps, rng) -> list[dict]:
+    w = rng.standard_normal((n, d), dtype=np.float32) / np.float32(np.sqrt(d))
+    x = rng.standard_normal((m, d), dtype=np.float32)
+    p0 = packing.pack(w, scheme, 64)
+    cold = m == 1
+    copies = max(1, -(-POOL_BYTES // p0.nbytes)) if cold else 1
+    pool = [p0] + [packing.PackedWeight(p0.scheme, p0.n, p0.d, p0.n_pad, p0.d_pad, p0.group_size,
+                                        p0.data.copy(), p0.scale.copy(), p0.wsum.copy())
+                   for _ in range(copies - 1)]
+    bufs = gemm.activation_buffers(m, p0)
+    gemm.prepare_activations(x, p0, bufs)
+    out = np.empty((m, p0.n_pad), np.float32)
+    ops = {}
+    for v in kvariants:
+        tile = tiling.choose(m, n, d, scheme, v)
+        ops[v] = (tile.op, gemm.kernel_for(tile.op, scheme, v))
+        gemm.launch(ops[v][1], p0, bufs, out)  # compile / warm
+    times = {v: [] for v in kvariants}
+    calls = copies if cold else 1
+    i = 0
+    for _ in range(reps):
+        for v in kvariants:
+            k = ops[v][1]
+            # cold: one call per pool copy so each reads weights not touched for >= 256 MB.
+            for _c in range(calls if cold else 1):
+                p = pool[i % copies]
+                i += 1
+                t0 = time.perf_counter()
+                gemm.launch(k, p, bufs, out)
+                times[v].append(time.perf_counter() - t0)
+    rows = []
+    for v in kvariants:
+        t = np.array(times[v])
+        rows.append(dict(scheme=scheme.value, variant=v, op=ops[v][0], M=m, N=n, D=d,
+                         cold=cold, weight_bytes=p0.nbytes, median_s=float(np.median(t)),
+                         min_s=float(t.min()), samples=len(t)))
+    del pool
+    return rows
+
+
+def compile_times() -> dict:
+    """First-call compile of the host variant's kernels, then their load from cache, in fresh
+    processes sharing a new, empty KT_CACHE_DIR."""
+    code = (
+        "import time, numpy as np\n"
+        "t0 = time.perf_counter()\n"
+        "from kt.cpu_ops import gemm, packing, isa\n"
+        "w = np.random.default_rng(0).standard_normal((32, 128), dtype=np.float32)\n"
+        "x = np.ones((2, 128), np.float32)\n"
+        "t1 = time.perf_counter()\n"
+        "for s in ('int8', 'int4', 'bf16'):\n"
+        "    p = packing.pack(w, s, 64)\n"
+        "    for op in ('gemv', 'gemm'):\n"
+        "        gemm.linear(x, p, op=op)\n"
+        "print(isa.cpu_variant(), time.perf_counter() - t1, time.perf_counter() - t0)\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, KT_CACHE_DIR=tmp)
+        res = {}
+        for key in ("first_call", "cached_new_process"):
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+            if r.returncode != 0:
+                raise RuntimeError(r.stderr[-2000:])
+            v, dt, total = r.stdout.split()
+            res["variant"] = v
+            res[f"{key}_s"] = round(float(dt), 3)
+            res[f"{key}_incl_imports_s"] = round(float(total), 3)
+    return res
+
+
+def write_md(res: dict, path: Path) -> None:
+    bw = res["bandwidth"]
+    lines = ["# CPU GEMM kernels (one thread)", "",
+             f"Host: {res['host']}; variants runnable: {', '.join(res['variants'])}.", "",
+             f"Roofline: read bandwidth {bw['1_thread_GBps']} GB/s (1 thread), "
+             f"{bw['2_thread_GBps']} GB/s (2 threads); peaks: "
+             + ", ".join(f"{k} {v}" for k, v in res["peaks"].items()) + ".", "",
+             "M = 1 rows read weights cold (pool of copies >= 256 MB); larger M reuse one copy. "
+             "Fraction = roofline time max(bytes / BW_1thread, ops / peak) / median time.", "",
+             "| scheme | kernel | op | M | N x D | median ms | min ms | GB/s | TOPS | roofline |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["gemm"]:
+        lines.append(f"| {r['scheme']} | {r['variant']} | {r['op']} | {r['M']} | {r['N']}x{r['D']} | "
+                     f"{r['median_s'] * 1e3:.3f} | {r['min_s'] * 1e3:.3f} | {r['GBps']:.1f} | "
+                     f"{r['TOPS']:.3f} | {r['roofline_frac']:.0%} |")
+    c = res.get("compile")
+    if c:
+        lines += ["", f"Compile ({c['variant']} kernels: gemv + gemm x 3 schemes + activation "
+                      f"prep): first call {c['first_call_s']} s; cached, new process "
+                      f"{c['cached_new_process_s']} s ({c['cached_new_process_incl_imports_s']} s "
+                      "including imports)."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="M in {1, 32} and one shape only")
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args(argv)
+    variants = [v for v in isa.runnable_variants()]
+    import llvmlite.binding as llvm
+
+    res = {"host": f"{isa.detect().host.model_name} ({llvm.get_host_cpu_name()}), "
+                   f"{os.cpu_count()} CPUs", "variants": variants}
+    res["bandwidth"] = measure_bandwidth()
+    res["peaks"] = measure_peaks(variants)
+    print("bandwidth", res["bandwidth"], "peaks", res["peaks"], flush=True)
+    bw1 = res["bandwidth"]["1_thread_GBps"] * 1e9
+    rng = np.random.default_rng(0)
+    rows = []
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    ms = [1, 32] if args.quick else MS
+    for scheme in QuantScheme:
+        kv = distinct_kernels(scheme, variants)
+        for n, d in shapes:
+            for m in ms:
+                reps = args.reps if m <= 512 else max(2, args.reps // 2)
+                for r in time_case(scheme, kv, m, n, d, reps, rng):
+                    t = r["median_s"]
+                    opsn = 2.0 * m * n * d
+                    r["GBps"] = r["weight_bytes"] / t / 1e9
+                    r["TOPS"] = opsn / t / 1e12
+                    peak = peak_for(scheme, r["variant"], res["peaks"])
+                    roof = max(r["weight_bytes"] / bw1, opsn / peak if peak else 0.0)
+                    r["roofline_frac"] = roof / t
+                    rows.append(r)
+                    print(f"{r['scheme']:5s} {r['variant']:12s} {r['op']} M={m:5d} {n}x{d}: "
+                          f"{t * 1e3:8.3f} ms  {r['GBps']:6.1f} GB/s  {r['TOPS']:.3f} TOPS  "
+                          f"{r['roofline_frac']:.0%}", flush=True)
+    res["gemm"] = rows
+    if not args.no_compile:
+        res["compile"] = compile_times()
+        print("compile", res["compile"])
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gemm.json").write_text(json.dumps(res, indent=1))
+    write_md(res, RESULTS / "gemm.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
