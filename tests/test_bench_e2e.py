@@ -1,0 +1,116 @@
+"""benchmarks/bench_e2e.py --dry-run: the whole script on CPU tensors with a tiny model.
+
+The device run (H200) cannot be tested here; this runs the same code path (weights made in the
+packed layout, calibration, frequency placement planning, TTFT, decode, floor and overlap
+measurements, long prefill, correctness vs the bf16 reference, JSON/markdown/plots, the budget)
+with every expert on the CPU, and checks the numbers it writes are complete and plausible.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_e2e  # noqa: E402
+from _e2e_model import LinePool, random_packed  # noqa: E402
+from kt import reference as ref  # noqa: E402
+from kt.config import QuantScheme  # noqa: E402
+from kt.cpu_ops import registry  # noqa: E402
+from kt.cpu_ops.packing import unpack  # noqa: E402
+
+
+def _kernels_for_host():
+    """The registry's kernels when it has some for this host, else the scalar contract kernels of
+    tests/cpu_ops/_moe_doubles.py (the MoE driver and everything above it are still real)."""
+    missing = [s for s in ("int8", "int4") if not registry.candidates("gemv", QuantScheme.parse(s))]
+    if not missing:
+        return None
+    sys.path.insert(0, os.path.join(ROOT, "tests", "cpu_ops"))
+    from _moe_doubles import DOUBLES
+
+    print(f"no registered CPU kernels for {missing} on this host: using the scalar test doubles")
+    return {s: DOUBLES[s] for s in missing}
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme.INT8, QuantScheme.INT4])
+def test_random_packed_is_a_valid_packed_weight(scheme):
+    """The generated weights unpack to in-range values whose row sums are the stored wsum, and
+    q * scale has std ~ 1/sqrt(D) (checked to 5 %: 3 experts x 64 x 128 samples)."""
+    rng = np.random.default_rng(3)
+    p = random_packed(LinePool(4096, 0), 3, 64, 128, scheme, 64, rng)
+    for e in range(3):
+        u = unpack(p.expert(e))
+        lo, hi = (-127, 127) if scheme is QuantScheme.INT8 else (-8, 7)
+        assert u.q.min() >= lo and u.q.max() <= hi
+        if scheme is QuantScheme.INT8:
+            np.testing.assert_array_equal(u.q.astype(np.int32).sum(axis=1), p.wsum[e])
+        w = ref.dequantize(u)
+        assert abs(w.std() * np.sqrt(128) - 1.0) < 0.05
+    assert not np.array_equal(unpack(p.expert(0)).q, unpack(p.expert(1)).q)
+    with pytest.raises(ValueError, match="multiple of"):
+        random_packed(LinePool(4096, 0), 1, 64, 96, scheme, 64, rng)
+
+
+def test_config_names():
+    rc = bench_e2e.parse_config("gpu25_int8_skewed_d1")
+    assert (rc.gpu_pct, rc.scheme, rc.routing, rc.deferred) == (25, "int8", "skewed", 1)
+    assert bench_e2e.parse_config("gpu100_bf16_uniform").all_gpu
+    assert bench_e2e.parse_config("cpu0_int4_uniform_d0").gpu_pct == 0
+    for bad in ("gpu25_int8_zipf_d1", "gpu0_int8_uniform_d0", "gpu25_fp8_skewed_d0"):
+        with pytest.raises(ValueError):
+            bench_e2e.parse_config(bad)
+    for name in bench_e2e.DEFAULT_CONFIGS:
+        bench_e2e.parse_config(name)
+
+
+def test_dry_run_end_to_end(tmp_path):
+    out = tmp_path / "e2e"
+    configs = "gpu100_bf16_uniform,cpu0_int8_uniform_d0,gpu25_int8_skewed_d0,gpu25_int8_skewed_d1,cpu0_int4_uniform_d0"
+    args = bench_e2e.build_parser().parse_args(
+        ["--dry-run", "--out", str(out), "--configs", configs, "--budget-s", "600",
+         "--prefill-configs", "cpu0_int8_uniform_d0,gpu100_bf16_uniform", "--min-step-s", "0"])
+    data = bench_e2e.run(args, cpu_kernels=_kernels_for_host())
+    for f in (bench_e2e.JSON_NAME, bench_e2e.MD_NAME, bench_e2e.PLOT_DECODE, bench_e2e.PLOT_PREFILL):
+        assert (out / f).stat().st_size > 0, f
+    on_disk = json.loads((out / bench_e2e.JSON_NAME).read_text())
+    assert [e["name"] for e in on_disk["configs"]] == configs.split(",")
+    by = {e["name"]: e for e in on_disk["configs"]}
+    for e in on_disk["configs"]:
+        assert e["status"] in ("ok", "partial"), (e["name"], e.get("error"))
+        for b in ("1", "8"):
+            d = e["decode"][b]
+            assert d["steps"] >= 1 and d["tok_s"] > 0 and d["cuda_graph"] is False
+        assert e["ttft_s"] > 0
+    # placement was planned from the calibration statistics (not applied: no GPU)
+    g = by["gpu25_int8_skewed_d0"]
+    assert g["gpu_experts"] == int(0.25 * 2 * 8) and g["placement_applied"] is False
+    assert 0.25 <= g["gpu_hit_share_calibration"] <= 1.0
+    assert set(on_disk["calibration"]) == {"uniform", "skewed"}
+    assert on_disk["calibration"]["skewed"]["top25pct_experts_share"] > 0.25
+    # correctness vs the bf16 reference on the same weights: int8 activations cost little
+    c = g["correctness"]
+    assert c["positions"] == 8 and c["rel_err_mean"] < 0.05 and c["top1_agree"] >= 0.75, c
+    assert isinstance(by["cpu0_int4_uniform_d0"]["correctness"], str)
+    # floor and overlap were measured on the hybrid configurations
+    fl = by["cpu0_int8_uniform_d0"]["decode"]["1"]["floor"]
+    assert fl["cpu_expert_bytes_per_step"] > 0 and fl["ratio_to_floor_cpu_moe"] > 0
+    assert by["cpu0_int8_uniform_d0"]["decode"]["8"]["overlap_layer0"]["cpu_alone_ms"] > 0
+    assert "48_off" in by["cpu0_int8_uniform_d0"]["prefill"]
+    assert "48_off" in by["gpu100_bf16_uniform"]["prefill"]
+    assert "gpu25_int8_skewed_d0" in (out / bench_e2e.MD_NAME).read_text()
+
+
+def test_budget_skips_and_records(tmp_path):
+    """A budget that is used up at once: every configuration is recorded as skipped, files written."""
+    out = tmp_path / "e2e"
+    args = bench_e2e.build_parser().parse_args(
+        ["--dry-run", "--out", str(out), "--configs", "cpu0_int8_uniform_d0,gpu25_int8_skewed_d1",
+         "--budget-s", "0"])
+    data = bench_e2e.run(args, cpu_kernels=_kernels_for_host())
+    assert [e["status"] for e in data["configs"]] == ["skipped", "skipped"]
+    on_disk = json.loads((out / bench_e2e.JSON_NAME).read_text())
+    assert all("budget" in e["reason"] for e in on_disk["configs"])
