@@ -113,10 +113,14 @@ class GGUFSource:
                 return np.ascontiguousarray(raw).view(np.uint16).reshape(raw.shape[0], -1)
             return np.ascontiguousarray(gguf.quants.dequantize(np.asarray(raw), qt), np.float32)
 
+        from ._pack import as_kernel_source
+
         def get(e):
             if fused:
-                return one("gate_up", e, 0, I), one("gate_up", e, I, 2 * I), one("down", e)
-            return one("gate", e), one("up", e), one("down", e)
+                mats = one("gate_up", e, 0, I), one("gate_up", e, I, 2 * I), one("down", e)
+            else:
+                mats = one("gate", e), one("up", e), one("down", e)
+            return tuple(as_kernel_source(m) for m in mats)
 
         return LayerExperts(L, E, H, I, total, get)
 

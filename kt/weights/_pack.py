@@ -31,23 +31,28 @@ def packed_array_specs(scheme: QuantScheme, e: int, n: int, d: int, group_size: 
 
 
 def as_kernel_source(w) -> np.ndarray:
-    """A 2-D weight as the kernels read it: uint16 bf16 bits or float32 (others are converted).
+    """A 2-D weight as the kernels read it: a read-only uint16 (bf16 bits) or float32 array.
 
     numpy float16/float64 are converted to float32 (a copy of one matrix); torch tensors too.
+    Always read-only (mapped files are), so each kernel compiles for one flavour per dtype.
     """
     if hasattr(w, "detach"):
         import torch
 
         w = w.detach().cpu()
         if w.dtype == torch.bfloat16:
-            return w.contiguous().view(torch.int16).numpy().view(np.uint16)
-        return w.float().numpy()
+            w = w.contiguous().view(torch.int16).numpy().view(np.uint16)
+        else:
+            w = w.float().numpy()
     w = np.asarray(w)
-    if w.dtype == np.uint16 or w.dtype == np.float32:
-        return w
-    if w.dtype.kind == "f":
-        return w.astype(np.float32)
-    raise TypeError(f"expert weight must be floating point (or uint16 bf16 bits), got {w.dtype}")
+    if w.dtype != np.uint16 and w.dtype != np.float32:
+        if w.dtype.kind != "f":
+            raise TypeError(f"expert weight must be floating point (or uint16 bf16 bits), got {w.dtype}")
+        w = w.astype(np.float32)
+    if w.flags.writeable:
+        w = w.view()
+        w.flags.writeable = False
+    return w
 
 
 def quantize_pack_into(scheme: QuantScheme, group_size: int, src: np.ndarray, row0: int,

@@ -286,7 +286,7 @@ class HFSource:
                                   f"{bn}x{bd} blocks of a [{n}, {d}] weight")
             out = np.empty((n, d), np.float32)
             fp8_e4m3_block_dequant(w, s, bn, bd, out)
-            return out
+            return as_kernel_source(out)
         return as_kernel_source(_to_f32(w, dt) if dt not in ("BF16", "F32", "F16", "F64") else w)
 
     def _fused_layer(self, L: int) -> LayerExperts:
