@@ -37,3 +37,24 @@ def test_clear_cache(tmp_path, monkeypatch):
 
     kt.clear_cache()
     assert cache.cache_size_bytes() == 0
+
+
+def test_kernels_are_cached_under_the_kt_key(tmp_path):
+    """A kernel module's @njit(cache=True) functions land in KT_CACHE_DIR/kernels/<key>/."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\n"
+            "from kt.cpu_ops import cache\n"
+            "from kt.cpu_ops.actquant import quantize_rows\n"
+            "x = np.ones((2, 64), np.float32); xq = np.zeros((2, 64), np.int8); xs = np.zeros(2, np.float32)\n"
+            "quantize_rows(x, xq, xs)\n"
+            "print(cache.kernel_cache_dir())\n")
+    env = dict(os.environ, KT_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    d = r.stdout.strip().splitlines()[-1]
+    assert d.startswith(str(tmp_path))
+    files = os.listdir(d)
+    assert any(f.endswith(".nbi") for f in files) and any(f.endswith(".nbc") for f in files), files
