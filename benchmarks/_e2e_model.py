@@ -231,6 +231,7 @@ class DecodeState:
     step: torch.Tensor  # [1] int64
     stream: torch.Tensor  # [N, B] int64, the next inputs (random tokens, teacher-forced)
     out_tokens: torch.Tensor  # [N, B] int64, the model's greedy choices
+    logits: torch.Tensor | None = None  # optional [B, V] fp32: the last step's logits (checks)
 
     @classmethod
     def make(cls, cache: KVCache, first_tokens: torch.Tensor, pos: int, stream: torch.Tensor):
@@ -353,7 +354,10 @@ class Model:
             o = F.scaled_dot_product_attention(q.view(b, nkv, g, hd), kl, vl, attn_mask=mask)
             h = h + o.reshape(b, -1) @ lw["wo"].t()
             h = h + self._moe(layer, _rms(h, lw["post_norm"], cfg.rms_eps))
-        nxt = self._lm(h).argmax(dim=-1)
+        logits = self._lm(h)
+        if st.logits is not None:
+            st.logits.copy_(logits)
+        nxt = logits.argmax(dim=-1)
         st.out_tokens.index_copy_(0, st.step, nxt[None])
         st.tokens.copy_(st.stream.index_select(0, st.step)[0])
         st.pos.add_(1).clamp_(max=s - 1)  # never past the cache, even if replayed too often
