@@ -262,9 +262,26 @@ class Ctx:
 
         if scheme not in self.cpu_moes:
             kern = self.cpu_kernels.get(scheme)
-            self.cpu_moes[scheme] = [CPUMoE(w13, w2, pool=self.pool, kernels=kern)
-                                     for w13, w2 in self.expert_sets(scheme)]
+            cpus = [CPUMoE(w13, w2, pool=self.pool, kernels=kern) for w13, w2 in self.expert_sets(scheme)]
+            # compile the CPU job now (bf16 in and out, as the stream bridge calls it), so that no
+            # timed call, not even the cold TTFT, waits for Numba
+            t0 = time.perf_counter()
+            cfg = self.cfg
+            x = torch.zeros(2, cfg.hidden, dtype=torch.bfloat16)
+            ids = torch.arange(2 * cfg.top_k).reshape(2, cfg.top_k) % cfg.num_experts
+            cpus[0](x, ids, torch.full((2, cfg.top_k), 1.0 / cfg.top_k))
+            self.results.data["meta"].setdefault("cpu_job_compile_s", {})[scheme] = time.perf_counter() - t0
+            self.results.data["meta"]["cpu_kernel_variant"] = cpus[0].variant
+            self.log(f"{scheme} CPU MoE ready ({cpus[0].variant}), first call {time.perf_counter() - t0:.1f} s")
+            self.cpu_moes[scheme] = cpus
         return self.cpu_moes[scheme]
+
+    def drop_scheme(self, scheme: str) -> None:
+        """Free a scheme's weights (the INT8 set stays: the all-GPU reference and most runs use it)."""
+        if scheme != "int8":
+            self.sets.pop(scheme, None)
+            self.cpu_moes.pop(scheme, None)
+            gc.collect()
 
     def hybrid_backend(self, scheme: str, rows, deferred: int) -> HybridExperts:
         from kt.hybrid import DeferredChain, HybridMoE
@@ -433,6 +450,14 @@ def _capture_step(ctx: Ctx, st: DecodeState):
     return runner
 
 
+def _drop_pending(backend) -> None:
+    """After a failed capture: forget deferred work a captured layer left in the chain (it never
+    ran, so waiting for it would hang the stream)."""
+    for layer in getattr(backend, "layers", []):
+        if layer.chain is not None:
+            layer.chain.take()
+
+
 def _run_steps(ctx: Ctx, step, max_steps: int, cap_s: float) -> tuple[int, float]:
     """Run step() (each followed by a sync, as a serving loop reads its token) until max_steps or
     cap_s seconds. Returns (steps, seconds)."""
@@ -479,7 +504,14 @@ def measure_decode(ctx: Ctx, rc: RunConfig, entry: dict, backend, cache1: KVCach
     cap = max(0.5, min(args.decode_max_s, ctx.clock.left() - 5))
     runner = None
     if ctx.cuda and not args.no_graphs:
-        runner = _capture_step(ctx, st)
+        try:
+            runner = _capture_step(ctx, st)
+        except Exception:  # record it and fall back to eager decode rather than lose the row
+            res["graph_error"] = traceback.format_exc()
+            print(res["graph_error"], flush=True)
+            _drop_pending(backend)
+            torch.cuda.synchronize()
+    if runner is not None:
         st.reset(first_b, p)
         n, dt = _run_steps(ctx, runner.replay, max_steps, cap)
         res["cuda_graph"] = True
@@ -700,6 +732,7 @@ def run_config(ctx: Ctx, rc: RunConfig, entry: dict) -> None:
         if ctx.cuda:
             entry["vram_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         del backend
+        ctx.drop_scheme(rc.scheme)
         gc.collect()
         if ctx.cuda:
             torch.cuda.synchronize()
@@ -956,6 +989,13 @@ def run(args, cpu_kernels: dict | None = None) -> dict:
         meta["cpu_variant"] = kt.cpu_variant()
     except Exception as exc:
         meta["cpu_variant"] = f"error: {exc!r}"
+    try:
+        import subprocess
+
+        meta["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(_HERE),
+                                            capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        meta["git_commit"] = None
     results = Results(args.out, meta)
     ctx = Ctx(args, cfg, device, clock, results, cpu_kernels)
     meta["weight_sets"] = ("one per layer" if ctx.n_sets == cfg.num_layers
