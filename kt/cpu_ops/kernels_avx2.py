@@ -15,8 +15,9 @@ sums (<= 2 * 15 * 127 each, 7620 together) are added in int16 before vpmaddwd. A
 BF16: bf16 -> fp32 is a 16-bit shift (even k, low half of each 32-bit pair) or a mask (odd k),
 then fp32 FMA.
 
-gemv: 1 token x 4 blocks (INT4: x 2) per pass; gemm: 4 tokens x 1 block (INT4: 2 x 1) per step,
-M in chunks of tiling.gemm_m_chunk. Tails repeat the last block/token (same values stored twice).
+gemv: one block (one sequential stream) at a time, tokens inside, K split over two accumulator
+sets; gemm: 4 tokens x 1 block (INT4: 2 x 1) per step, M in chunks of tiling.gemm_m_chunk.
+Token tails repeat the last token (the same values are stored twice).
 """
 from __future__ import annotations
 
@@ -59,50 +60,29 @@ def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     xrow = xq.strides[0]
     orow = out.strides[0] // 4
     ones = splat_i16x16(1)
-    for b0 in range(nb0, nb1, 4):
-        b1 = min(b0 + 1, nb1 - 1)
-        b2 = min(b0 + 2, nb1 - 1)
-        b3 = min(b0 + 3, nb1 - 1)
-        p0, p1, p2, p3 = b0 * blk, b1 * blk, b2 * blk, b3 * blk
+    for b in range(nb0, nb1):
+        p = b * blk
         for m in range(m_count):
             a0 = splat_i32x8(0)
             a1 = a0
             a2 = a0
             a3 = a0
-            a4 = a0
-            a5 = a0
-            a6 = a0
-            a7 = a0
             xo = m * xrow
-            for j in range(lines):
+            for j in range(0, lines, 2):  # lines is a multiple of 16
+                o = p + 64 * j
                 x = bcast4_i32x8(xq, xo + 4 * j)
-                o = 64 * j
-                w = load_i8x32(data, p0 + o)
+                w = load_i8x32(data, o)
                 a0 = _i8_dot(a0, vabs_i8(w), w, x, ones)
-                w = load_i8x32(data, p0 + o + 32)
+                w = load_i8x32(data, o + 32)
                 a1 = _i8_dot(a1, vabs_i8(w), w, x, ones)
-                w = load_i8x32(data, p1 + o)
+                x = bcast4_i32x8(xq, xo + 4 * j + 4)
+                w = load_i8x32(data, o + 64)
                 a2 = _i8_dot(a2, vabs_i8(w), w, x, ones)
-                w = load_i8x32(data, p1 + o + 32)
+                w = load_i8x32(data, o + 96)
                 a3 = _i8_dot(a3, vabs_i8(w), w, x, ones)
-                w = load_i8x32(data, p2 + o)
-                a4 = _i8_dot(a4, vabs_i8(w), w, x, ones)
-                w = load_i8x32(data, p2 + o + 32)
-                a5 = _i8_dot(a5, vabs_i8(w), w, x, ones)
-                w = load_i8x32(data, p3 + o)
-                a6 = _i8_dot(a6, vabs_i8(w), w, x, ones)
-                w = load_i8x32(data, p3 + o + 32)
-                a7 = _i8_dot(a7, vabs_i8(w), w, x, ones)
-            s = xs[m]
             r = m * orow
-            _i8_store(a0, scale, s, out, r, 16 * b0)
-            _i8_store(a1, scale, s, out, r, 16 * b0 + 8)
-            _i8_store(a2, scale, s, out, r, 16 * b1)
-            _i8_store(a3, scale, s, out, r, 16 * b1 + 8)
-            _i8_store(a4, scale, s, out, r, 16 * b2)
-            _i8_store(a5, scale, s, out, r, 16 * b2 + 8)
-            _i8_store(a6, scale, s, out, r, 16 * b3)
-            _i8_store(a7, scale, s, out, r, 16 * b3 + 8)
+            _i8_store(vadd(a0, a2), scale, xs[m], out, r, 16 * b)
+            _i8_store(vadd(a1, a3), scale, xs[m], out, r, 16 * b + 8)
 
 
 @njit(nogil=True, cache=True)
@@ -197,57 +177,52 @@ def _i4_group(f, acc, corr, scale, si):
 
 @njit(nogil=True, cache=True)
 def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
-    """INT4 small-M GEMM (AVX2), 1 token x 2 blocks per pass. Arguments as kernels_avx512.gemv_int4."""
+    """INT4 small-M GEMM (AVX2). Arguments as kernels_avx512.gemv_int4."""
     m_count = xq.shape[0]
     lines = data.shape[1]
     d_pad = lines * 8
     blk = lines * 64
     ng = d_pad // group_size
-    gl = group_size // 8
+    gl = group_size // 8  # 4, 8 or 16 lines per group
     sblk = ng * 16
     xrow = xq.strides[0]
     orow = out.strides[0] // 4
     nib = splat_i32x8(_NIB)
     ones = splat_i16x16(1)
     xsum = _group_sums(xq, group_size, d_pad)
-    for b0 in range(nb0, nb1, 2):
-        b1 = min(b0 + 1, nb1 - 1)
-        p0, p1 = b0 * blk, b1 * blk
+    for b in range(nb0, nb1):
+        p = b * blk
         for m in range(m_count):
-            f0 = splat_f32x8(0.0)
-            f1 = f0
-            f2 = f0
-            f3 = f0
+            fl = splat_f32x8(0.0)
+            fh = fl
             xo = m * xrow
             for g in range(ng):
                 a0 = splat_i32x8(0)
                 a1 = a0
                 a2 = a0
                 a3 = a0
-                for j in range(g * gl, (g + 1) * gl):
-                    xlo = bcast4_i32x8(xq, xo + 8 * j)
-                    xhi = bcast4_i32x8(xq, xo + 8 * j + 4)
-                    o = 64 * j
-                    w = load_i32x8(data, p0 + o)
+                for j in range(g * gl, (g + 1) * gl, 2):
+                    o = p + 64 * j
+                    k = xo + 8 * j
+                    xlo = bcast4_i32x8(xq, k)
+                    xhi = bcast4_i32x8(xq, k + 4)
+                    w = load_i32x8(data, o)
                     a0 = _i4_dot(a0, vand(w, nib), vand(vsrl(w, 4), nib), xlo, xhi, ones)
-                    w = load_i32x8(data, p0 + o + 32)
+                    w = load_i32x8(data, o + 32)
                     a1 = _i4_dot(a1, vand(w, nib), vand(vsrl(w, 4), nib), xlo, xhi, ones)
-                    w = load_i32x8(data, p1 + o)
+                    xlo = bcast4_i32x8(xq, k + 8)
+                    xhi = bcast4_i32x8(xq, k + 12)
+                    w = load_i32x8(data, o + 64)
                     a2 = _i4_dot(a2, vand(w, nib), vand(vsrl(w, 4), nib), xlo, xhi, ones)
-                    w = load_i32x8(data, p1 + o + 32)
+                    w = load_i32x8(data, o + 96)
                     a3 = _i4_dot(a3, vand(w, nib), vand(vsrl(w, 4), nib), xlo, xhi, ones)
                 corr = splat_i32x8(xsum[m, g])
-                so = g * 16
-                f0 = _i4_group(f0, a0, corr, scale, b0 * sblk + so)
-                f1 = _i4_group(f1, a1, corr, scale, b0 * sblk + so + 8)
-                f2 = _i4_group(f2, a2, corr, scale, b1 * sblk + so)
-                f3 = _i4_group(f3, a3, corr, scale, b1 * sblk + so + 8)
+                si = b * sblk + g * 16
+                fl = _i4_group(fl, vadd(a0, a2), corr, scale, si)
+                fh = _i4_group(fh, vadd(a1, a3), corr, scale, si + 8)
             sv = splat_f32x8(xs[m])
-            r = m * orow
-            store(out, r + 16 * b0, vmul(f0, sv))
-            store(out, r + 16 * b0 + 8, vmul(f1, sv))
-            store(out, r + 16 * b1, vmul(f2, sv))
-            store(out, r + 16 * b1 + 8, vmul(f3, sv))
+            store(out, m * orow + 16 * b, vmul(fl, sv))
+            store(out, m * orow + 16 * b + 8, vmul(fh, sv))
 
 
 @njit(nogil=True, cache=True)
@@ -333,17 +308,15 @@ def _bf16_pair(acc_e, acc_o, w, xe, xo, hi):
 
 @njit(nogil=True, cache=True)
 def gemv_bf16(xb, data, out, nb0, nb1):
-    """BF16 small-M GEMM (AVX2 FMA), 1 token x 2 blocks per pass. Arguments as
-    kernels_avx512.gemv_bf16."""
+    """BF16 small-M GEMM (AVX2 FMA). Arguments as kernels_avx512.gemv_bf16."""
     m_count = xb.shape[0]
     lines = data.shape[1]
     blk = lines * 32
     xrow = xb.strides[0] // 2
     orow = out.strides[0] // 4
     hi = splat_i32x8(_HI16)
-    for b0 in range(nb0, nb1, 2):
-        b1 = min(b0 + 1, nb1 - 1)
-        p0, p1 = b0 * blk, b1 * blk
+    for b in range(nb0, nb1):
+        p = b * blk
         for m in range(m_count):
             e0 = splat_f32x8(0.0)
             o0 = e0
@@ -354,20 +327,21 @@ def gemv_bf16(xb, data, out, nb0, nb1):
             e3 = e0
             o3 = e0
             xo = m * xrow
-            for j in range(lines):
+            for j in range(0, lines, 2):  # lines is a multiple of 32
+                o = p + 32 * j
                 x = bcast4_i32x8(xb, xo + 2 * j)
                 xe = as_f32x8(vsll(x, 16))
                 xd = as_f32x8(vand(x, hi))
-                o = 32 * j
-                e0, o0 = _bf16_pair(e0, o0, load_i32x8(data, p0 + o), xe, xd, hi)
-                e1, o1 = _bf16_pair(e1, o1, load_i32x8(data, p0 + o + 16), xe, xd, hi)
-                e2, o2 = _bf16_pair(e2, o2, load_i32x8(data, p1 + o), xe, xd, hi)
-                e3, o3 = _bf16_pair(e3, o3, load_i32x8(data, p1 + o + 16), xe, xd, hi)
+                e0, o0 = _bf16_pair(e0, o0, load_i32x8(data, o), xe, xd, hi)
+                e1, o1 = _bf16_pair(e1, o1, load_i32x8(data, o + 16), xe, xd, hi)
+                x = bcast4_i32x8(xb, xo + 2 * j + 2)
+                xe = as_f32x8(vsll(x, 16))
+                xd = as_f32x8(vand(x, hi))
+                e2, o2 = _bf16_pair(e2, o2, load_i32x8(data, o + 32), xe, xd, hi)
+                e3, o3 = _bf16_pair(e3, o3, load_i32x8(data, o + 48), xe, xd, hi)
             r = m * orow
-            store(out, r + 16 * b0, vadd(e0, o0))
-            store(out, r + 16 * b0 + 8, vadd(e1, o1))
-            store(out, r + 16 * b1, vadd(e2, o2))
-            store(out, r + 16 * b1 + 8, vadd(e3, o3))
+            store(out, r + 16 * b, vadd(vadd(e0, o0), vadd(e2, o2)))
+            store(out, r + 16 * b + 8, vadd(vadd(e1, o1), vadd(e3, o3)))
 
 
 @njit(nogil=True, cache=True)

@@ -3,25 +3,24 @@
 Every kernel follows kt/cpu_ops/README.md: it reads one packed weight (packing.py), computes the
 16-row blocks [nb0, nb1) for all M tokens and overwrites out[:, 16*nb0 : 16*nb1].
 
-Both ops work on groups of 4 weight blocks (64 output rows) at a time, four independent
-accumulator chains. A group whose blocks run past nb1 repeats the last block (min(b, nb1 - 1)):
-it computes and stores the same values twice, which is harmless and keeps one code path.
-
-- gemv (decode, M <= ~8): 1 token x 4 blocks per pass, the token loop inside the block group, so
-  each weight line comes from memory once and from L1/L2 for the other tokens.
+- gemv (decode, M = 1-2): one block (16 rows x D, one sequential stream) at a time with four
+  accumulator chains split along K, the token loop inside the block so its lines come from memory
+  once and from L1/L2 for the other tokens. One stream per call measured faster on cold weights
+  than four interleaved block streams (32 vs 25 GB/s here); software prefetch only slowed it.
 - gemm (prefill): 4 tokens x 4 blocks per step (INT4: 4 x 2, its fp32 group sums need registers
   too), 16 accumulators; each weight line load feeds 4 tokens and each activation broadcast feeds
   4 blocks. M is swept in chunks of tiling.gemm_m_chunk tokens so the chunk's activations stay
   in L2 while each weight group (4 blocks x 16 rows x D) is swept; weights are then read from
-  memory once per chunk.
-  Token tails repeat the last token the same way block tails do.
+  memory once per chunk. A group whose blocks run past nb1 repeats the last block
+  (min(b, nb1 - 1)) and a token tile past M the last token: the same values are computed and
+  stored twice, which is harmless and keeps one code path.
 
 INT8: vpdpbusd multiplies unsigned by signed bytes, so activations are offset by +128 (xor 0x80)
 and 128 * wsum[n] is subtracted from the exact int32 sum. The offset copy is made once per call
-into a scratch [M, d_pad] (``_offset_rows``): xor-ing the broadcast in the inner loop instead makes
-LLVM 22's instruction selection hang (seen with llvmlite 0.50: compile never finishes). INT4: the stored nibble (q + 8) is the
-unsigned operand and the int8 activation the signed one; 8 * sum(x over the group) per token and
-group is subtracted before the group scale is applied.
+into a scratch [M, d_pad] (``_offset_rows``): xor-ing the broadcast in the inner loop instead
+makes LLVM 22's code generation hang (llvmlite 0.50: the compile never finishes).
+INT4: the stored nibble (q + 8) is the unsigned operand and the int8 activation the signed one;
+8 * sum(x over the group) per token and group is subtracted before the group scale is applied.
 """
 from __future__ import annotations
 
@@ -29,11 +28,11 @@ import numpy as np
 from numba import njit
 
 from . import cache
-from .tiling import gemm_m_chunk
 from ._simd import (
     bcast4_i32x16, cvt_i32_f32, dpbf16ps512, load_f32x16,
     load_i32x16, splat_f32x16, splat_i32x16, store, vadd, vand, vfma, vmul, vpdpbusd512, vsll,
     vsrl, vsub, vxor)
+from .tiling import gemm_m_chunk
 
 cache.install()
 
@@ -73,30 +72,23 @@ def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     xu = _offset_rows(xq)
     xrow = xu.strides[0]
     orow = out.strides[0] // 4
-    for b0 in range(nb0, nb1, 4):
-        b1 = min(b0 + 1, nb1 - 1)
-        b2 = min(b0 + 2, nb1 - 1)
-        b3 = min(b0 + 3, nb1 - 1)
-        p0, p1, p2, p3 = b0 * blk, b1 * blk, b2 * blk, b3 * blk
+    for b in range(nb0, nb1):
+        p = b * blk
         for m in range(m_count):
             a0 = splat_i32x16(0)
-            a1 = splat_i32x16(0)
-            a2 = splat_i32x16(0)
-            a3 = splat_i32x16(0)
+            a1 = a0
+            a2 = a0
+            a3 = a0
             xo = m * xrow
-            for j in range(lines):
-                xv = bcast4_i32x16(xu, xo + 4 * j)
-                o = 64 * j
-                a0 = vpdpbusd512(a0, xv, load_i32x16(data, p0 + o))
-                a1 = vpdpbusd512(a1, xv, load_i32x16(data, p1 + o))
-                a2 = vpdpbusd512(a2, xv, load_i32x16(data, p2 + o))
-                a3 = vpdpbusd512(a3, xv, load_i32x16(data, p3 + o))
-            xsm = xs[m]
-            r = m * orow
-            _int8_epilogue(a0, wsum, scale, xsm, out, (r, 16 * b0))
-            _int8_epilogue(a1, wsum, scale, xsm, out, (r, 16 * b1))
-            _int8_epilogue(a2, wsum, scale, xsm, out, (r, 16 * b2))
-            _int8_epilogue(a3, wsum, scale, xsm, out, (r, 16 * b3))
+            for j in range(0, lines, 4):  # lines is a multiple of 16
+                o = p + 64 * j
+                k = xo + 4 * j
+                a0 = vpdpbusd512(a0, bcast4_i32x16(xu, k), load_i32x16(data, o))
+                a1 = vpdpbusd512(a1, bcast4_i32x16(xu, k + 4), load_i32x16(data, o + 64))
+                a2 = vpdpbusd512(a2, bcast4_i32x16(xu, k + 8), load_i32x16(data, o + 128))
+                a3 = vpdpbusd512(a3, bcast4_i32x16(xu, k + 12), load_i32x16(data, o + 192))
+            _int8_epilogue(vadd(vadd(a0, a1), vadd(a2, a3)), wsum, scale, xs[m], out,
+                           (m * orow, 16 * b))
 
 
 @njit(nogil=True, cache=True)
@@ -231,48 +223,34 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     d_pad = lines * 8
     blk = lines * 64
     ng = d_pad // group_size
-    gl = group_size // 8
+    gl = group_size // 8  # 4, 8 or 16 lines per group
     sblk = ng * 16
     xrow = xq.strides[0]
     orow = out.strides[0] // 4
     nib = splat_i32x16(_NIB)
     xsum = group_sums(xq, group_size, d_pad)
-    for b0 in range(nb0, nb1, 4):
-        b1 = min(b0 + 1, nb1 - 1)
-        b2 = min(b0 + 2, nb1 - 1)
-        b3 = min(b0 + 3, nb1 - 1)
-        p0, p1, p2, p3 = b0 * blk, b1 * blk, b2 * blk, b3 * blk
+    for b in range(nb0, nb1):
+        p = b * blk
         for m in range(m_count):
-            f0 = splat_f32x16(0.0)
-            f1 = f0
-            f2 = f0
-            f3 = f0
+            f = splat_f32x16(0.0)
             xo = m * xrow
             for g in range(ng):
                 a0 = splat_i32x16(0)
                 a1 = a0
                 a2 = a0
                 a3 = a0
-                for j in range(g * gl, (g + 1) * gl):
-                    xlo = bcast4_i32x16(xq, xo + 8 * j)
-                    xhi = bcast4_i32x16(xq, xo + 8 * j + 4)
-                    o = 64 * j
-                    a0 = _i4_step(a0, load_i32x16(data, p0 + o), xlo, xhi, nib)
-                    a1 = _i4_step(a1, load_i32x16(data, p1 + o), xlo, xhi, nib)
-                    a2 = _i4_step(a2, load_i32x16(data, p2 + o), xlo, xhi, nib)
-                    a3 = _i4_step(a3, load_i32x16(data, p3 + o), xlo, xhi, nib)
-                corr = splat_i32x16(xsum[m, g])
-                so = g * 16
-                f0 = _i4_group(f0, a0, corr, scale, b0 * sblk + so)
-                f1 = _i4_group(f1, a1, corr, scale, b1 * sblk + so)
-                f2 = _i4_group(f2, a2, corr, scale, b2 * sblk + so)
-                f3 = _i4_group(f3, a3, corr, scale, b3 * sblk + so)
-            sv = splat_f32x16(xs[m])
-            r = m * orow
-            store(out, r + 16 * b0, vmul(f0, sv))
-            store(out, r + 16 * b1, vmul(f1, sv))
-            store(out, r + 16 * b2, vmul(f2, sv))
-            store(out, r + 16 * b3, vmul(f3, sv))
+                for j in range(g * gl, (g + 1) * gl, 2):
+                    o = p + 64 * j
+                    k = xo + 8 * j
+                    w = load_i32x16(data, o)
+                    a0 = vpdpbusd512(a0, vand(w, nib), bcast4_i32x16(xq, k))
+                    a1 = vpdpbusd512(a1, vand(vsrl(w, 4), nib), bcast4_i32x16(xq, k + 4))
+                    w = load_i32x16(data, o + 64)
+                    a2 = vpdpbusd512(a2, vand(w, nib), bcast4_i32x16(xq, k + 8))
+                    a3 = vpdpbusd512(a3, vand(vsrl(w, 4), nib), bcast4_i32x16(xq, k + 12))
+                f = _i4_group(f, vadd(vadd(a0, a1), vadd(a2, a3)), splat_i32x16(xsum[m, g]),
+                              scale, b * sblk + g * 16)
+            store(out, m * orow + 16 * b, vmul(f, splat_f32x16(xs[m])))
 
 
 @njit(nogil=True, cache=True)
@@ -397,29 +375,22 @@ def gemv_bf16(xb, data, out, nb0, nb1):
     blk = lines * 32
     xrow = xb.strides[0] // 2
     orow = out.strides[0] // 4
-    for b0 in range(nb0, nb1, 4):
-        b1 = min(b0 + 1, nb1 - 1)
-        b2 = min(b0 + 2, nb1 - 1)
-        b3 = min(b0 + 3, nb1 - 1)
-        p0, p1, p2, p3 = b0 * blk, b1 * blk, b2 * blk, b3 * blk
+    for b in range(nb0, nb1):
+        p = b * blk
         for m in range(m_count):
             a0 = splat_f32x16(0.0)
             a1 = a0
             a2 = a0
             a3 = a0
             xo = m * xrow
-            for j in range(lines):
-                xv = bcast4_i32x16(xb, xo + 2 * j)
-                o = 32 * j
-                a0 = dpbf16ps512(a0, xv, load_i32x16(data, p0 + o))
-                a1 = dpbf16ps512(a1, xv, load_i32x16(data, p1 + o))
-                a2 = dpbf16ps512(a2, xv, load_i32x16(data, p2 + o))
-                a3 = dpbf16ps512(a3, xv, load_i32x16(data, p3 + o))
-            r = m * orow
-            store(out, r + 16 * b0, a0)
-            store(out, r + 16 * b1, a1)
-            store(out, r + 16 * b2, a2)
-            store(out, r + 16 * b3, a3)
+            for j in range(0, lines, 4):  # lines is a multiple of 32
+                o = p + 32 * j
+                k = xo + 2 * j
+                a0 = dpbf16ps512(a0, bcast4_i32x16(xb, k), load_i32x16(data, o))
+                a1 = dpbf16ps512(a1, bcast4_i32x16(xb, k + 2), load_i32x16(data, o + 32))
+                a2 = dpbf16ps512(a2, bcast4_i32x16(xb, k + 4), load_i32x16(data, o + 64))
+                a3 = dpbf16ps512(a3, bcast4_i32x16(xb, k + 6), load_i32x16(data, o + 96))
+            store(out, m * orow + 16 * b, vadd(vadd(a0, a1), vadd(a2, a3)))
 
 
 @njit(nogil=True, cache=True)

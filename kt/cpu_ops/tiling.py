@@ -31,18 +31,21 @@ def gemm_m_chunk(m: int, row_bytes: int) -> int:
 
 
 def gemv_max_m(scheme: QuantScheme | str, variant: str) -> int:
-    """Largest M for which ``gemv`` beats ``gemm`` (measured, 1536 x 2048, one thread, Zen 4).
+    """Largest M for which ``gemv`` beats ``gemm`` (measured: 1536 x 2048, one thread, Zen 4).
 
-    gemv handles one token per pass over a weight group (lines re-read from L1/L2 for the next
-    token); gemm's 4-token tile reads each line once per 4 tokens but wastes lanes when M < 4.
-    AVX-512: gemv wins only at M = 1 (INT4, whose unpacking gemv does once per token: M <= 2);
-    AVX2 (4-token gemm tile of 1 block): M <= 3. AMX: its own kernels, switch at 4.
+    gemv streams one weight block at a time and loops over the tokens inside it (lines re-read
+    from L1/L2 for the next token); gemm's 4-token tile reads each line once per 4 tokens but
+    computes padding tokens when M < 4. AVX-512: gemv wins only at M = 1 (INT4, whose nibble
+    unpacking gemm repeats per tile, up to 2). AVX2 kernels (also what the avx512 variant and
+    BF16 below avx512_bf16 run): INT8 up to 3, BF16 up to 2, INT4 1. AMX: its own kernels, 4.
     """
     scheme = QuantScheme.parse(scheme)
     if variant == "amx":
         return 4
-    if variant == "avx2" or variant == "avx512":
-        return 3
+    avx2_kernels = variant in ("avx2", "avx512") or (
+        scheme is QuantScheme.BF16 and variant != "avx512_bf16")
+    if avx2_kernels:
+        return {QuantScheme.INT8: 3, QuantScheme.INT4: 1, QuantScheme.BF16: 2}[scheme]
     return 2 if scheme is QuantScheme.INT4 else 1
 
 
