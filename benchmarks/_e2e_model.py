@@ -19,7 +19,6 @@ prefix sums of the pool instead of a pass over the weights.
 from __future__ import annotations
 
 import math
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -441,7 +440,6 @@ class TorchExperts:
             b = torch.from_numpy(np.stack([d[1] for d in deq])).to(torch.bfloat16).float()
             self.w.append((a, b))
         self.mode = "full"
-        self._lock = threading.Lock()
 
     def __call__(self, layer, x, ids, w):
         if self.mode == "none":
