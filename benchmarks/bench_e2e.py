@@ -740,7 +740,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly even on a GPU")
     ap.add_argument("--skip-overlap", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replot", metavar="JSON", default=None,
+                    help="only redraw e2e.md and the plots into --out from an existing e2e.json")
     return ap
+
+
+def replot(path: str, out_dir: str) -> dict:
+    with open(path) as f:
+        data = json.load(f)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, MD_NAME), "w") as f:
+        f.write(markdown(data))
+    make_plots(data, out_dir)
+    print(markdown(data), flush=True)
+    return data
 
 
 def _finish_args(args) -> None:
@@ -876,6 +889,9 @@ def run(args, cpu_kernels: dict | None = None) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.replot:
+        replot(args.replot, args.out)
+        return 0
     data = run(args)
     bad = [e["name"] for e in data["configs"] if e.get("status") == "error"]
     if bad:
@@ -887,6 +903,6 @@ if __name__ == "__main__":
     rc = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    if "--dry-run" not in sys.argv:
+    if "--dry-run" not in sys.argv and "--replot" not in sys.argv:
         os._exit(rc)  # do not wait on CUDA / pinned-memory / worker teardown after the results are out
     sys.exit(rc)

@@ -153,6 +153,11 @@ def test_dry_run_end_to_end(tmp_path):
     assert "48_off" in by["cpu0_int8_uniform_d0"]["prefill"]
     assert "48_off" in by["gpu100_bf16_uniform"]["prefill"]
     assert "gpu25_int8_skewed_d0" in (out / bench_e2e.MD_NAME).read_text()
+    # the lead redraws the table and plots from the JSON alone
+    again = tmp_path / "replot"
+    bench_e2e.replot(str(out / bench_e2e.JSON_NAME), str(again))
+    assert (again / bench_e2e.MD_NAME).read_text() == (out / bench_e2e.MD_NAME).read_text()
+    assert (again / bench_e2e.PLOT_DECODE).stat().st_size > 0
 
 
 def test_budget_skips_and_records(tmp_path):
