@@ -31,7 +31,7 @@ __all__ = [
     "as_i8x64", "as_i16x32", "as_i32x16", "as_f32x16", "as_i8x32", "as_i16x16", "as_i32x8",
     "as_f32x8",
     # element-wise
-    "vadd", "vsub", "vmul", "vand", "vor", "vxor", "vsrl", "vsll", "vfma", "cvt_i32_f32",
+    "vadd", "vsub", "vmul", "vand", "vor", "vxor", "vsrl", "vsll", "vsra", "vfma", "cvt_i32_f32",
     "vabs_i8", "vsign_i8",
     # dot products
     "vpdpbusd512", "dpbf16ps512", "pmaddubsw256", "pmaddwd256",
@@ -249,6 +249,7 @@ def _make_shift(op: str):
 
 vsrl = _make_shift("lshr")
 vsll = _make_shift("shl")
+vsra = _make_shift("ashr")
 
 
 def _call(builder, name, ret, args):
