@@ -50,8 +50,7 @@ def fmt(v, spec=".1f", none="-"):
 
 
 def _decode_cell(e, b):
-    d = e.get("decode", {}).get(str(b))
-    return fmt(d["tok_s"]) if d else "-"
+    return fmt(e.get("decode", {}).get(str(b), {}).get("tok_s"))
 
 
 def checks(data: dict) -> dict:
@@ -76,9 +75,10 @@ def checks(data: dict) -> dict:
         row = dict(gpu_expert_share=e.get("gpu_expert_share"), gpu_hit_share_prompt=e.get("gpu_hit_share_prompt"),
                    target="speedup - 1 >= gpu_expert_share")
         for b in data["meta"].get("args", {}).get("decode_batches", [1, 8]):
-            d, d0 = e.get("decode", {}).get(str(b)), base.get("decode", {}).get(str(b))
+            d = e.get("decode", {}).get(str(b), {}).get("tok_s")
+            d0 = base.get("decode", {}).get(str(b), {}).get("tok_s")
             if d and d0:
-                sp = d["tok_s"] / d0["tok_s"]
+                sp = d / d0
                 row[f"speedup_b{b}"] = sp
                 row[f"met_b{b}"] = sp - 1 >= (e.get("gpu_expert_share") or 0)
         out[f"placement_{name}_vs_cpu0"] = row

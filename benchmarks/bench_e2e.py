@@ -69,6 +69,28 @@ DEFAULT_PREFILL_CONFIGS = "gpu100_bf16_uniform,cpu0_int8_uniform_d0,gpu25_int8_s
 
 # ----------------------------------------------------------------------------- small helpers
 
+class Watchdog(threading.Thread):
+    """Ends a device run that hangs (a stream waiting for a CPU part that never comes cannot be
+    interrupted from Python): past ``hard_limit_s`` in all, or ``stall_s`` without progress
+    (``Ctx.beat``), it calls ``on_kill(reason)``, which writes the results and exits the process."""
+
+    def __init__(self, ctx, hard_limit_s: float, stall_s: float, on_kill):
+        super().__init__(name="bench-e2e-watchdog", daemon=True)
+        self.ctx, self.hard_limit_s, self.stall_s, self.on_kill = ctx, hard_limit_s, stall_s, on_kill
+        self.stopped = threading.Event()
+
+    def run(self):
+        while not self.stopped.wait(1.0):
+            if self.ctx.clock.elapsed() > self.hard_limit_s:
+                self.on_kill(f"hard limit {self.hard_limit_s:.0f} s reached")
+                return
+            idle = time.monotonic() - self.ctx.last_beat
+            if idle > self.stall_s:
+                self.on_kill(f"no progress for {idle:.0f} s (stall limit {self.stall_s:.0f} s): "
+                             "probably a hang; rerun the rest with --no-graphs or without this configuration")
+                return
+
+
 class Clock:
     def __init__(self, budget_s: float):
         self.t0 = time.perf_counter()
@@ -137,7 +159,10 @@ class Results:
             with open(path + ".tmp", "w") as f:
                 f.write(text)
             os.replace(path + ".tmp", path)
-            md = markdown(self.data)
+            try:
+                md = markdown(self.data)
+            except Exception:  # the JSON above is what matters; say why the table is missing
+                md = "# bench_e2e: the table could not be made\n\n```\n" + traceback.format_exc() + "```\n"
             with open(os.path.join(self.out_dir, MD_NAME), "w") as f:
                 f.write(md)
         if plots:
@@ -187,6 +212,7 @@ class Ctx:
                                     generator=gen).to(device)
         self.pool = None
         self.model = None
+        self.last_beat = time.monotonic()
 
     @property
     def n_sets(self) -> int:
@@ -196,8 +222,14 @@ class Ctx:
     def sync(self):
         if self.cuda:
             torch.cuda.synchronize()
+        self.beat()
+
+    def beat(self) -> None:
+        """Progress for the stall watchdog (see Watchdog)."""
+        self.last_beat = time.monotonic()
 
     def log(self, msg: str) -> None:
+        self.beat()
         print(f"[{self.clock.elapsed():7.1f}s] {msg}", flush=True)
 
     # -- weights
@@ -428,7 +460,7 @@ def _run_steps(ctx: Ctx, step, max_steps: int, cap_s: float) -> tuple[int, float
     t0 = time.perf_counter()
     while n < max_steps:
         step()
-        ctx.sync()
+        ctx.sync()  # also the watchdog's heartbeat
         n += 1
         if time.perf_counter() - t0 > cap_s:
             break
@@ -463,6 +495,8 @@ def measure_decode(ctx: Ctx, rc: RunConfig, entry: dict, backend, cache1: KVCach
         if i == 1:
             captured, model.moe_capture = model.moe_capture, None
     res["eager_ms_per_step"] = 1e3 * min(eager[1:])
+    entry.setdefault("decode", {})[str(batch)] = res  # kept even if what follows never returns
+    ctx.results.write(plots=False)
     max_steps = min(args.new_tokens, ctx.max_len - p - 1)
     cap = max(0.5, min(args.decode_max_s, ctx.clock.left() - 5))
     runner = None
@@ -487,7 +521,6 @@ def measure_decode(ctx: Ctx, rc: RunConfig, entry: dict, backend, cache1: KVCach
     res.update(steps=n, seconds=dt, ms_per_step=1e3 * dt / n, tok_s=batch * n / dt,
                stopped_by_time_cap=n < max_steps)
     del runner
-    entry.setdefault("decode", {})[str(batch)] = res
     ctx.log(f"{rc.name} decode b={batch}: {res['tok_s']:.1f} tok/s ({res['ms_per_step']:.2f} ms/step, "
             f"{n} steps, graph={res['cuda_graph']})")
     if backend.kind == "hybrid" and ctx.clock.left() > 10:
@@ -714,6 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hard-limit-s", type=float, default=None,
                     help="device runs: write the results and end the process after this long "
                          "(default budget + 45 s)")
+    ap.add_argument("--stall-s", type=float, default=150.0,
+                    help="device runs: write the results and end the process after this long without "
+                         "progress (a hang)")
     ap.add_argument("--min-step-s", type=float, default=8.0,
                     help="a measurement starts only if this much budget is left")
     ap.add_argument("--configs", default="default",
@@ -818,20 +854,20 @@ def run(args, cpu_kernels: dict | None = None) -> dict:
     current = {"entry": None}
     timer = None
     if not dry:
-        def on_hard_limit():
+        def on_kill(reason: str):
             e = current["entry"]
             if e is not None:
                 e["status"] = "killed"
-                e["reason"] = f"hard limit {args.hard_limit_s:.0f} s reached while running"
-            results.data["meta"]["ended_by_hard_limit"] = True
+                e["reason"] = reason + " while this configuration ran"
+            results.data["meta"]["ended_by_watchdog"] = reason
+            results.data["meta"]["elapsed_s"] = clock.elapsed()
             try:
-                results.write(plots=False)
+                results.write(plots=True)
             finally:
-                print("bench_e2e: hard time limit reached; results written, exiting", flush=True)
+                print(f"bench_e2e: {reason}; results written, exiting", flush=True)
                 os._exit(3)
 
-        timer = threading.Timer(args.hard_limit_s, on_hard_limit)
-        timer.daemon = True
+        timer = Watchdog(ctx, args.hard_limit_s, args.stall_s, on_kill)
         timer.start()
     torch_threads = torch.get_num_threads()
     if dry:  # torch's CPU threads would spin against the kt pool on a small host (restored below)
@@ -879,7 +915,7 @@ def run(args, cpu_kernels: dict | None = None) -> dict:
         meta.update({f"final_{k}": v for k, v in rss_gib().items()})
         results.write(plots=True)
         if timer is not None:
-            timer.cancel()
+            timer.stopped.set()
         torch.set_num_threads(torch_threads)
         if ctx.pool is not None:
             ctx.pool.shutdown()

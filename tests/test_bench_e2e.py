@@ -170,3 +170,29 @@ def test_budget_skips_and_records(tmp_path):
     assert [e["status"] for e in data["configs"]] == ["skipped", "skipped"]
     on_disk = json.loads((out / bench_e2e.JSON_NAME).read_text())
     assert all("budget" in e["reason"] for e in on_disk["configs"])
+
+
+def test_watchdog_ends_a_stalled_or_overlong_run():
+    """Device runs end themselves (results written) on a stall or past the hard limit; here on_kill
+    only records the reason. Beats keep a live run going."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    def start(hard, stall, beating):
+        ctx = SimpleNamespace(clock=bench_e2e.Clock(100), last_beat=time.monotonic())
+        got = []
+        done = threading.Event()
+        dog = bench_e2e.Watchdog(ctx, hard, stall, lambda reason: (got.append(reason), done.set()))
+        dog.start()
+        t_end = time.monotonic() + 3.5
+        while time.monotonic() < t_end and not done.is_set():
+            if beating:
+                ctx.last_beat = time.monotonic()
+            time.sleep(0.05)
+        dog.stopped.set()
+        return got
+
+    assert "no progress" in start(hard=100, stall=1.5, beating=False)[0]
+    assert start(hard=100, stall=1.5, beating=True) == []
+    assert "hard limit" in start(hard=1.5, stall=100, beating=True)[0]
