@@ -33,7 +33,7 @@ def kernel_env(tmp_path_factory, monkeypatch_module):
         "display_name": "kt tests", "language": "python"}))
     monkeypatch_module.setenv("JUPYTER_PATH", os.pathsep.join(
         [str(root)] + [p for p in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if p]))
-    monkeypatch_module.setenv("MPLBACKEND", "Agg")
+    monkeypatch_module.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend draws PNGs
     # the notebooks import kt from this checkout even when it is not installed
     repo = str(EXAMPLES.parent)
     monkeypatch_module.setenv("PYTHONPATH", os.pathsep.join(

@@ -219,7 +219,7 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
     ``device``: where the model will run (default: where its weights are now). Give "cuda" to
     patch a model still on the CPU and move it afterwards: the experts never reach the GPU.
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # not tqdm.auto: no ipywidgets warning in notebooks
 
     if config is None:
         config = PatchConfig(**overrides)
