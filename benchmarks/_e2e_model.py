@@ -19,7 +19,6 @@ prefix sums of the pool instead of a pass over the weights.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,12 +112,15 @@ def random_packed(pool: LinePool, e: int, n: int, d: int, scheme: QuantScheme, g
         raise ValueError(f"random_packed makes INT8 or INT4 weights, not {scheme.value}")
     if j > pool.lines:
         raise ValueError(f"line pool of {pool.lines} lines is smaller than one block ({j} lines)")
-    span = np.arange(j)
-    for ex in range(e):
-        starts = rng.integers(0, pool.lines - j + 1, size=nb)
-        np.take(src, starts[:, None] + span, axis=0, out=data[ex])
-        if scheme is QuantScheme.INT8:
-            wsum[ex] = (pool.prefix[starts + j] - pool.prefix[starts]).reshape(n)
+    starts = rng.integers(0, pool.lines - j + 1, size=(e, nb))
+    # one gather of 64-byte lines for the whole stack: torch's index_select runs on all of torch's
+    # CPU threads with the GIL released (numpy's take would run on one)
+    idx = torch.from_numpy((starts[:, :, None] + np.arange(j)).reshape(-1))
+    torch.index_select(torch.from_numpy(src.reshape(src.shape[0], -1)), 0, idx,
+                       out=torch.from_numpy(data.reshape(-1, _LINE_ROWS * _LINE_K)))
+    del idx
+    if scheme is QuantScheme.INT8:
+        wsum[:] = (pool.prefix[starts + j] - pool.prefix[starts]).reshape(e, n)
     if scheme is QuantScheme.INT8:
         scale = (rng.uniform(0.9, 1.1, size=(e, n)) / (_STD_INT8 * math.sqrt(d))).astype(np.float32)
         return PackedWeight(scheme, n, d, n, d, 0, data, scale, wsum)
@@ -129,21 +131,22 @@ def random_packed(pool: LinePool, e: int, n: int, d: int, scheme: QuantScheme, g
 
 def make_expert_sets(cfg: ModelConfig, scheme: QuantScheme, n_sets: int, *, group_size: int = 64,
                      seed: int = 0, threads: int = 1, pool_lines: int = 1 << 20):
-    """``n_sets`` independent (w13 [E, 2I, H], w2 [E, H, I]) packed weight sets, built in threads.
-
-    Layer l of the model uses set ``l % n_sets``.
+    """``n_sets`` independent (w13 [E, 2I, H], w2 [E, H, I]) packed weight sets, the copying done
+    on ``threads`` torch CPU threads (restored afterwards). Layer l uses set ``l % n_sets``.
     """
     lp = LinePool(max(pool_lines, cfg.hidden // 4 + 1, cfg.intermediate // 4 + 1), seed)
     e, h, i = cfg.num_experts, cfg.hidden, cfg.intermediate
-
-    def one(s):
-        rng = np.random.default_rng([seed, s, 7])
-        w13 = random_packed(lp, e, 2 * i, h, scheme, group_size, rng)
-        w2 = random_packed(lp, e, h, i, scheme, group_size, rng)
-        return w13, w2
-
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, n_sets))) as ex:
-        return list(ex.map(one, range(n_sets)))
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        sets = []
+        for s in range(n_sets):
+            rng = np.random.default_rng([seed, s, 7])
+            sets.append((random_packed(lp, e, 2 * i, h, scheme, group_size, rng),
+                         random_packed(lp, e, h, i, scheme, group_size, rng)))
+        return sets
+    finally:
+        torch.set_num_threads(old)
 
 
 def dequantized_expert(w13: PackedWeight, w2: PackedWeight, ex: int):
