@@ -17,10 +17,11 @@ Tasks of phases 2 and 4 are (expert, row-block range) pairs, biggest experts fir
 a pure function of the work and the thread count (``_blocks_per_task``): in decode each expert's
 rows are split over the threads, in prefill whole experts are handed out dynamically.
 
-The GEMM micro-kernels (kt/cpu_ops/README.md contract) reach this code as closure constants of
-``make_moe_job`` (one compiled job per scheme, kernel pair and x/out dtype), never as globals.
-Arrays reach the job through an int64 descriptor of raw addresses and shapes (``desc``), so the
-pool's worker loop never needs the GIL.
+The GEMM micro-kernels (kt/cpu_ops/README.md contract) reach this code as addresses of their
+compiled entry points in the descriptor (``icall8``/``icall5``: an indirect call, so their IR is
+never linked and code-generated again here), and arrays as raw addresses and shapes, so the job is
+compiled once per scheme and x/out dtype (and cached on disk), and the pool's worker loop never
+needs the GIL.
 """
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
+from . import cache as _cache
 from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, _sched_yield,
-                   atomic_add, atomic_load, atomic_store, cpu_pause)
+                   atomic_add, atomic_load, atomic_store, cpu_pause, icall_codegen, native_address)
+
+_cache.install()
 
 SCHEME_INT8, SCHEME_INT4, SCHEME_BF16 = 0, 1, 2
 
@@ -43,6 +47,8 @@ A_XG, A_XS, A_GU, A_HQ, A_HS, A_Y, A_ACC = 16, 17, 18, 19, 20, 21, 22
 N_SLOTS = 23
 S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 200, 201, 202, 203, 204, 205, 206, 207
 S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 208, 209, 210, 211, 212, 213
+D_KV13, D_KM13, D_KV2, D_KM2 = 214, 215, 216, 217  # kernel entry points (kernel_address)
+S_SCHEME, S_XBF16, S_OBF16 = 218, 219, 220
 
 PHASES = 6
 PHASE_WORDS = 3 * CTRL_STRIDE  # claim, done, ntasks: one line each
@@ -101,12 +107,12 @@ def _f32_as_u32(typingctx, v):
     return types.uint32(v), codegen
 
 
-@njit(nogil=True, inline="always")
+@njit(nogil=True, cache=True, inline="always")
 def bf16_bits_to_f32(b):
     return _u32_as_f32(np.uint32(b) << np.uint32(16))
 
 
-@njit(nogil=True, inline="always")
+@njit(nogil=True, cache=True, inline="always")
 def f32_to_bf16_bits(v):
     """Round to nearest even, NaN -> 0x7FC0 (exactly reference.f32_to_bf16_bits)."""
     if v != v:
@@ -141,46 +147,90 @@ def _from_f32_impl(v, like):
     return None
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _arr1(desc, slot, dt):
     o = slot * SLOT
     return carray(_ptr(desc[o], dt), (desc[o + 1],))
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _arr2(desc, slot, dt):
     o = slot * SLOT
     return carray(_ptr(desc[o], dt), (desc[o + 1], desc[o + 2]))
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _arr4(desc, slot, dt):
     o = slot * SLOT
     return carray(_ptr(desc[o], dt), (desc[o + 1], desc[o + 2], desc[o + 3], desc[o + 4]))
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _arr5(desc, slot, dt):
     o = slot * SLOT
     return carray(_ptr(desc[o], dt),
                   (desc[o + 1], desc[o + 2], desc[o + 3], desc[o + 4], desc[o + 5]))
 
 
-@njit(nogil=True, inline="always")
+@njit(nogil=True, cache=True, inline="always")
 def _rows(a, r0, r1, dt):
     """a[r0:r1] of a C-contiguous 2-D array, typed C-contiguous (kernels get 'C' layouts)."""
     return carray(_ptr(a.ctypes.data + r0 * a.shape[1] * a.itemsize, dt), (r1 - r0, a.shape[1]))
 
 
-@njit(nogil=True, inline="always")
+@njit(nogil=True, cache=True, inline="always")
 def _seg(a, r0, r1, dt):
     """a[r0:r1] of a 1-D array, typed C-contiguous."""
     return carray(_ptr(a.ctypes.data + r0 * a.itemsize, dt), (r1 - r0,))
 
 
+@intrinsic
+def icall8(typingctx, addr, a0, a1, a2, a3, a4, a5, a6, a7):
+    """Call the compiled kernel at ``addr`` (its native entry point, see ``kernel_address``).
+
+    A direct call would link the kernel's LLVM IR into the caller and generate its machine code
+    again (minutes for the big unrolled SIMD kernels); this is an indirect call to code compiled
+    (or loaded from the cache) once. The kernel must have been compiled for exactly these types.
+    """
+    if not isinstance(addr, types.Integer):
+        return None
+    return types.void(addr, a0, a1, a2, a3, a4, a5, a6, a7), icall_codegen
+
+
+@intrinsic
+def icall5(typingctx, addr, a0, a1, a2, a3, a4):
+    """``icall8`` for the five-argument (BF16) kernel signature."""
+    if not isinstance(addr, types.Integer):
+        return None
+    return types.void(addr, a0, a1, a2, a3, a4), icall_codegen
+
+
+def kernel_signature(scheme: int) -> tuple:
+    """The numba argument types the driver passes to a kernel of ``scheme``."""
+    from numba.np.numpy_support import from_dtype
+
+    def arr(dt, nd):
+        return types.Array(from_dtype(np.dtype(dt)), nd, "C")
+
+    i64 = types.int64
+    if scheme == SCHEME_INT8:
+        return (arr(np.int8, 2), arr(np.float32, 1), arr(np.int8, 4), arr(np.float32, 1),
+                arr(np.int32, 1), arr(np.float32, 2), i64, i64)
+    if scheme == SCHEME_INT4:
+        return (arr(np.int8, 2), arr(np.float32, 1), arr(np.uint8, 4), arr(np.float32, 3), i64,
+                arr(np.float32, 2), i64, i64)
+    return (arr(np.uint16, 2), arr(np.uint16, 4), arr(np.float32, 2), i64, i64)
+
+
+def kernel_address(kernel, scheme: int) -> int:
+    """Compile ``kernel`` (a jitted function of the README contract) for the driver's argument
+    types and return the address of its native entry point, for ``icall8`` / ``icall5``."""
+    return native_address(kernel, kernel_signature(scheme))
+
+
 # ----------------------------------------------------------------------------- activations
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def quant_row_i8(src, dst, n):
     """Per-row symmetric int8 of src[:n] (fp32) into dst (int8, zero beyond n); returns the scale.
 
@@ -209,7 +259,7 @@ def quant_row_i8(src, dst, n):
     return amax / np.float32(127.0)
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def bf16_row(src, dst, n):
     for j in range(n):
         dst[j] = f32_to_bf16_bits(src[j])
@@ -220,7 +270,7 @@ def bf16_row(src, dst, n):
 
 # ----------------------------------------------------------------------------- planning
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _blocks_per_task(nblocks, n_active, nthreads, fixed):
     """Row blocks per (expert, rows) task: enough tasks for TASKS_PER_THREAD per thread."""
     if fixed > 0:
@@ -231,7 +281,7 @@ def _blocks_per_task(nblocks, n_active, nthreads, fixed):
     return max(1, min(b, nblocks))
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, bpt13, bpt2):
     """Bucket (token, slot) pairs of tokens [t0, t1) by expert. Returns (rows, n13, n2).
 
@@ -294,7 +344,7 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
 
 # ----------------------------------------------------------------------------- phase barrier
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _wait_phase(jctrl, base, n):
     """Spin until the phase at ``base`` has n tasks done; False if the job was aborted."""
     i = 0
@@ -310,183 +360,202 @@ def _wait_phase(jctrl, base, n):
 
 # ----------------------------------------------------------------------------- the job
 
-def make_moe_job(scheme: int, gemv13, gemm13, gemv2, gemm2, x_dtype, out_dtype):
-    """Compile-time specialisation of the MoE job for one scheme, kernel set and x/out dtypes.
 
-    gemv*/gemm*: jitted kernels of the README contract for w13 and w2 (usually the same pair).
-    x_dtype / out_dtype: np.float32, or np.uint16 for bf16 bit patterns.
-    Returns ``job(nthreads, jctrl, desc)`` for ``CpuPool.submit_native``.
-    """
-    XT = x_dtype
-    OT = out_dtype
-    if scheme == SCHEME_BF16:
-        AT = np.uint16
-        act_row = bf16_row
+@njit(nogil=True, cache=True)
+def load_w_int8(desc, sd, ss, sw, e):
+    return (_arr5(desc, sd, np.int8)[e], _arr2(desc, ss, np.float32)[e],
+            _arr2(desc, sw, np.int32)[e])
+
+
+@njit(nogil=True, cache=True)
+def load_w_int4(desc, sd, ss, sw, e):
+    return (_arr5(desc, sd, np.uint8)[e], _arr4(desc, ss, np.float32)[e],
+            _arr2(desc, sw, np.int32)[e])
+
+
+@njit(nogil=True, cache=True)
+def load_w_bf16(desc, sd, ss, sw, e):
+    return (_arr5(desc, sd, np.uint16)[e], _arr2(desc, ss, np.float32)[e],
+            _arr2(desc, sw, np.int32)[e])
+
+
+@njit(nogil=True, cache=True)
+def _quantise_tokens(x, t0, ta, tb, pos, H, xg, xs, acc, bf16):
+    """Phase 1 for tokens [ta, tb): x rows -> activation rows of every CPU slot of the token."""
+    K = pos.shape[1]
+    for t in range(ta, tb):
+        first = -1
+        for k in range(K):
+            r = pos[t - t0, k]
+            if r < 0:
+                continue
+            if first < 0:
+                for j in range(H):
+                    acc[j] = _to_f32(x[t, j])
+                if bf16:
+                    xs[r] = bf16_row(acc, xg[r].view(np.uint16), H)
+                else:
+                    xs[r] = quant_row_i8(acc, xg[r], H)
+                first = r
+            else:
+                xg[r, :] = xg[first, :]
+                xs[r] = xs[first]
+
+
+@njit(nogil=True, cache=True)
+def _act_rows(gu, ra, rb, I, up_off, hq, hs, bf16):
+    """Phase 3 for gathered rows [ra, rb): h = silu(gate) * up (in place), then requantised."""
+    for r in range(ra, rb):
+        g = gu[r]
+        for j in range(I):
+            a = g[j]
+            g[j] = a / (np.float32(1.0) + np.exp(-a)) * g[up_off + j]
+        if bf16:
+            hs[r] = bf16_row(g, hq[r].view(np.uint16), I)
+        else:
+            hs[r] = quant_row_i8(g, hq[r], I)
+
+
+@njit(nogil=True, cache=True)
+def _combine_tokens(out, t0, ta, tb, pos, tw, y, H, acc, incremental):
+    """Phase 5 for tokens [ta, tb): out[t] = (out[t] if incremental) + sum_k w[t,k] y[row]."""
+    K = pos.shape[1]
+    for t in range(ta, tb):
+        if incremental:
+            for j in range(H):
+                acc[j] = _to_f32(out[t, j])
+        else:
+            for j in range(H):
+                acc[j] = np.float32(0.0)
+        for k in range(K):
+            r = pos[t - t0, k]
+            if r < 0:
+                continue
+            wk = tw[t, k]
+            yr = y[r]
+            for j in range(H):
+                acc[j] += wk * yr[j]
+        for j in range(H):
+            out[t, j] = _from_f32(acc[j], out[t, j])
+
+
+@njit(nogil=True, cache=True)
+def _gemm_task(desc, scheme, which, e, r0, r1, nb0, nb1, small):
+    """Phase 2 (which=0: w13, xg -> gu) or 4 (which=1: w2, hq -> y) for expert e, rows [r0, r1)."""
+    if which == 0:
+        sa, ss, so, sd, sc, sw, gs = A_XG, A_XS, A_GU, A_W13D, A_W13S, A_W13W, desc[S_GS13]
+        av, am = desc[D_KV13], desc[D_KM13]
     else:
-        AT = np.int8
-        act_row = quant_row_i8
+        sa, ss, so, sd, sc, sw, gs = A_HQ, A_HS, A_Y, A_W2D, A_W2S, A_W2W, desc[S_GS2]
+        av, am = desc[D_KV2], desc[D_KM2]
+    addr = av if small else am
+    xs = _seg(_arr1(desc, ss, np.float32), r0, r1, np.float32)
+    out = _rows(_arr2(desc, so, np.float32), r0, r1, np.float32)
     if scheme == SCHEME_INT8:
-        DT = np.int8
-
-        @njit(nogil=True)
-        def gemm(small, xa, xs, data, scale, wsum, gs, out, nb0, nb1, kv, km):
-            if small:
-                kv(xa, xs, data, scale, wsum, out, nb0, nb1)
-            else:
-                km(xa, xs, data, scale, wsum, out, nb0, nb1)
-
-        @njit(nogil=True)
-        def load_w(desc, sd, ss, sw, e):
-            return (_arr5(desc, sd, np.int8)[e], _arr2(desc, ss, np.float32)[e],
-                    _arr2(desc, sw, np.int32)[e])
+        xa = _rows(_arr2(desc, sa, np.int8), r0, r1, np.int8)
+        d, s, w = load_w_int8(desc, sd, sc, sw, e)
+        icall8(addr, xa, xs, d, s, w, out, nb0, nb1)
     elif scheme == SCHEME_INT4:
-        DT = np.uint8
-
-        @njit(nogil=True)
-        def gemm(small, xa, xs, data, scale, wsum, gs, out, nb0, nb1, kv, km):
-            if small:
-                kv(xa, xs, data, scale, gs, out, nb0, nb1)
-            else:
-                km(xa, xs, data, scale, gs, out, nb0, nb1)
-
-        @njit(nogil=True)
-        def load_w(desc, sd, ss, sw, e):
-            return (_arr5(desc, sd, np.uint8)[e], _arr4(desc, ss, np.float32)[e],
-                    _arr2(desc, sw, np.int32)[e])
+        xa = _rows(_arr2(desc, sa, np.int8), r0, r1, np.int8)
+        d, s, w = load_w_int4(desc, sd, sc, sw, e)
+        icall8(addr, xa, xs, d, s, gs, out, nb0, nb1)
     else:
-        DT = np.uint16
+        xa = _rows(_arr2(desc, sa, np.int8), r0, r1, np.int8).view(np.uint16)
+        d, s, w = load_w_bf16(desc, sd, sc, sw, e)
+        icall5(addr, xa, d, out, nb0, nb1)
 
-        @njit(nogil=True)
-        def gemm(small, xa, xs, data, scale, wsum, gs, out, nb0, nb1, kv, km):
-            if small:
-                kv(xa, data, out, nb0, nb1)
-            else:
-                km(xa, data, out, nb0, nb1)
 
-        @njit(nogil=True)
-        def load_w(desc, sd, ss, sw, e):
-            return (_arr5(desc, sd, np.uint16)[e], _arr2(desc, ss, np.float32)[e],
-                    _arr2(desc, sw, np.int32)[e])
-    del DT
-
-    @njit(nogil=True)
-    def job(nth, jctrl, desc):
-        me = atomic_add(jctrl, JOB_JOIN, 1)
-        if me >= nth:
-            return
-        T = desc[S_T]
-        K = desc[S_K]
-        H = desc[S_H]
-        I = desc[S_I]
-        up_off = desc[S_UPOFF]
-        C = desc[S_CHUNK]
-        incremental = desc[S_INCR] != 0
-        gemv_max = desc[S_GEMV_MAX]
-        gs13 = desc[S_GS13]
-        gs2 = desc[S_GS2]
-        nch = desc[S_NCHUNK]
-        x = _arr2(desc, A_X, XT)
-        out = _arr2(desc, A_OUT, OT)
-        ids = _arr2(desc, A_IDS, np.int64)
-        tw = _arr2(desc, A_TW, np.float32)
-        mask = _arr1(desc, A_MASK, np.uint8)
-        pos = _arr2(desc, A_POS, np.int32)
-        offs = _arr1(desc, A_OFFS, np.int32)
-        order = _arr1(desc, A_ORDER, np.int32)
-        tasks13 = _arr2(desc, A_T13, np.int32)
-        tasks2 = _arr2(desc, A_T2, np.int32)
-        xg = _arr2(desc, A_XG, AT)
-        xs = _arr1(desc, A_XS, np.float32)
-        gu = _arr2(desc, A_GU, np.float32)
-        hq = _arr2(desc, A_HQ, AT)
-        hs = _arr1(desc, A_HS, np.float32)
-        y = _arr2(desc, A_Y, np.float32)
-        acc = _arr2(desc, A_ACC, np.float32)[me]
-        nb13 = desc[A_W13D * SLOT + 2]
-        nb2 = desc[A_W2D * SLOT + 2]
-        for c in range(nch):
-            t0 = c * C
-            t1 = min(T, t0 + C)
-            pbase = JOB_FREE + c * PHASES * PHASE_WORDS
-            for ph in range(PHASES):
-                base = pbase + ph * PHASE_WORDS
-                n = 1 if ph == 0 else atomic_load(jctrl, base + 2 * CTRL_STRIDE)
-                while True:
-                    if atomic_load(jctrl, JOB_ABORT) != 0:
-                        return
-                    i = atomic_add(jctrl, base, 1)
-                    if i >= n:
-                        break
-                    if ph == 0:
-                        rows, n13, n2 = _plan(t0, t1, ids, mask, pos, offs, order, tasks13,
-                                              tasks2, nb13, nb2, nth, desc[S_BPT13],
-                                              desc[S_BPT2])
-                        # the plan phase's own ntasks word carries the chunk's row count
-                        jctrl[base + 2 * CTRL_STRIDE] = rows
-                        nt = t1 - t0
-                        jctrl[base + PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
-                        jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13
-                        jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = (rows + ROW_BLOCK - 1) // ROW_BLOCK
-                        jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = n2
-                        jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
-                    elif ph == 1:
-                        for t in range(t0 + i * TOKEN_BLOCK, min(t1, t0 + (i + 1) * TOKEN_BLOCK)):
-                            first = -1
-                            for k in range(K):
-                                r = pos[t - t0, k]
-                                if r < 0:
-                                    continue
-                                if first < 0:
-                                    for j in range(H):
-                                        acc[j] = _to_f32(x[t, j])
-                                    xs[r] = act_row(acc, xg[r], H)
-                                    first = r
-                                else:
-                                    xg[r, :] = xg[first, :]
-                                    xs[r] = xs[first]
-                    elif ph == 2:
-                        e = tasks13[i, 0]
-                        r0 = offs[e]
-                        r1 = offs[e + 1]
-                        d, s, w = load_w(desc, A_W13D, A_W13S, A_W13W, e)
-                        gemm(r1 - r0 <= gemv_max, _rows(xg, r0, r1, AT), _seg(xs, r0, r1, np.float32),
-                             d, s, w, gs13, _rows(gu, r0, r1, np.float32), tasks13[i, 1], tasks13[i, 2], gemv13, gemm13)
-                    elif ph == 3:
-                        rows = jctrl[pbase + 2 * CTRL_STRIDE]
-                        for r in range(i * ROW_BLOCK, min(rows, (i + 1) * ROW_BLOCK)):
-                            g = gu[r]
-                            for j in range(I):
-                                a = g[j]
-                                g[j] = a / (np.float32(1.0) + np.exp(-a)) * g[up_off + j]
-                            hs[r] = act_row(g, hq[r], I)
-                    elif ph == 4:
-                        e = tasks2[i, 0]
-                        r0 = offs[e]
-                        r1 = offs[e + 1]
-                        d, s, w = load_w(desc, A_W2D, A_W2S, A_W2W, e)
-                        gemm(r1 - r0 <= gemv_max, _rows(hq, r0, r1, AT), _seg(hs, r0, r1, np.float32),
-                             d, s, w, gs2, _rows(y, r0, r1, np.float32), tasks2[i, 1], tasks2[i, 2], gemv2, gemm2)
-                    else:
-                        for t in range(t0 + i * TOKEN_BLOCK, min(t1, t0 + (i + 1) * TOKEN_BLOCK)):
-                            if incremental:
-                                for j in range(H):
-                                    acc[j] = _to_f32(out[t, j])
-                            else:
-                                for j in range(H):
-                                    acc[j] = np.float32(0.0)
-                            for k in range(K):
-                                r = pos[t - t0, k]
-                                if r < 0:
-                                    continue
-                                wk = tw[t, k]
-                                yr = y[r]
-                                for j in range(H):
-                                    acc[j] += wk * yr[j]
-                            for j in range(H):
-                                out[t, j] = _from_f32(acc[j], out[t, j])
-                    atomic_add(jctrl, base + CTRL_STRIDE, 1)
-                if not _wait_phase(jctrl, base, n):
+@njit(nogil=True, cache=True)
+def moe_job(nth, jctrl, desc):
+    """The MoE job (see the module docstring): every participant runs this; it returns when the
+    job is complete (or aborted). Scheme, x and out dtypes come from desc (S_SCHEME, S_XBF16,
+    S_OBF16), so one compiled (and disk-cached) function serves every layer."""
+    me = atomic_add(jctrl, JOB_JOIN, 1)
+    if me >= nth:
+        return
+    scheme = desc[S_SCHEME]
+    bf16 = scheme == SCHEME_BF16
+    x_bf16 = desc[S_XBF16] != 0
+    o_bf16 = desc[S_OBF16] != 0
+    T = desc[S_T]
+    H = desc[S_H]
+    I = desc[S_I]
+    up_off = desc[S_UPOFF]
+    C = desc[S_CHUNK]
+    incremental = desc[S_INCR] != 0
+    gemv_max = desc[S_GEMV_MAX]
+    nch = desc[S_NCHUNK]
+    x32 = _arr2(desc, A_X, np.float32)
+    x16 = _arr2(desc, A_X, np.uint16)
+    o32 = _arr2(desc, A_OUT, np.float32)
+    o16 = _arr2(desc, A_OUT, np.uint16)
+    ids = _arr2(desc, A_IDS, np.int64)
+    tw = _arr2(desc, A_TW, np.float32)
+    mask = _arr1(desc, A_MASK, np.uint8)
+    pos = _arr2(desc, A_POS, np.int32)
+    offs = _arr1(desc, A_OFFS, np.int32)
+    order = _arr1(desc, A_ORDER, np.int32)
+    tasks13 = _arr2(desc, A_T13, np.int32)
+    tasks2 = _arr2(desc, A_T2, np.int32)
+    xg = _arr2(desc, A_XG, np.int8)  # activation rows as bytes (bf16 rows are viewed as uint16)
+    xs = _arr1(desc, A_XS, np.float32)
+    gu = _arr2(desc, A_GU, np.float32)
+    hq = _arr2(desc, A_HQ, np.int8)
+    hs = _arr1(desc, A_HS, np.float32)
+    y = _arr2(desc, A_Y, np.float32)
+    acc = _arr2(desc, A_ACC, np.float32)[me]
+    nb13 = desc[A_W13D * SLOT + 2]
+    nb2 = desc[A_W2D * SLOT + 2]
+    for c in range(nch):
+        t0 = c * C
+        t1 = min(T, t0 + C)
+        pbase = JOB_FREE + c * PHASES * PHASE_WORDS
+        for ph in range(PHASES):
+            base = pbase + ph * PHASE_WORDS
+            n = 1 if ph == 0 else atomic_load(jctrl, base + 2 * CTRL_STRIDE)
+            while True:
+                if atomic_load(jctrl, JOB_ABORT) != 0:
                     return
-        atomic_store(jctrl, JOB_COMPLETE, 1)
-
-    return job
+                i = atomic_add(jctrl, base, 1)
+                if i >= n:
+                    break
+                if ph == 0:
+                    rows, n13, n2 = _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2,
+                                          nb13, nb2, nth, desc[S_BPT13], desc[S_BPT2])
+                    nt = t1 - t0
+                    # the plan phase's own ntasks word carries the chunk's row count
+                    jctrl[base + 2 * CTRL_STRIDE] = rows
+                    jctrl[base + PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
+                    jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13
+                    jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = n2
+                    jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
+                elif ph == 1:
+                    ta = t0 + i * TOKEN_BLOCK
+                    tb = min(t1, ta + TOKEN_BLOCK)
+                    if x_bf16:
+                        _quantise_tokens(x16, t0, ta, tb, pos, H, xg, xs, acc, bf16)
+                    else:
+                        _quantise_tokens(x32, t0, ta, tb, pos, H, xg, xs, acc, bf16)
+                elif ph == 2 or ph == 4:
+                    tasks = tasks13 if ph == 2 else tasks2
+                    e = tasks[i, 0]
+                    r0 = offs[e]
+                    r1 = offs[e + 1]
+                    _gemm_task(desc, scheme, 0 if ph == 2 else 1, e, r0, r1,
+                               np.int64(tasks[i, 1]), np.int64(tasks[i, 2]), r1 - r0 <= gemv_max)
+                elif ph == 3:
+                    rows = jctrl[pbase + 2 * CTRL_STRIDE]
+                    ra = i * ROW_BLOCK
+                    _act_rows(gu, ra, min(rows, ra + ROW_BLOCK), I, up_off, hq, hs, bf16)
+                else:
+                    ta = t0 + i * TOKEN_BLOCK
+                    tb = min(t1, ta + TOKEN_BLOCK)
+                    if o_bf16:
+                        _combine_tokens(o16, t0, ta, tb, pos, tw, y, H, acc, incremental)
+                    else:
+                        _combine_tokens(o32, t0, ta, tb, pos, tw, y, H, acc, incremental)
+                atomic_add(jctrl, base + CTRL_STRIDE, 1)
+            if not _wait_phase(jctrl, base, n):
+                return
+    atomic_store(jctrl, JOB_COMPLETE, 1)

@@ -27,7 +27,6 @@ left the job); it sets ``jctrl[JOB_ABORT]`` so that the others stop early. The p
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import threading
 import time
@@ -40,6 +39,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 from llvmlite import ir
+
+from . import cache as _cache
+
+_cache.install()
 
 __all__ = ["CpuPool", "PoolHandle", "default_pool", "numa_nodes", "atomic_load", "atomic_store",
            "atomic_add", "cpu_pause", "CTRL_STRIDE", "JOB_ABORT", "JOB_COMPLETE", "JOB_FREE"]
@@ -111,13 +114,20 @@ def cpu_pause(typingctx):
     return types.void(), codegen
 
 
-_libc = ctypes.CDLL(None)
-_sched_yield = _libc.sched_yield
-_sched_yield.argtypes = []
-_sched_yield.restype = ctypes.c_int
+@intrinsic
+def _sched_yield(typingctx):
+    """libc ``sched_yield()``, declared by name (resolved in-process; keeps callers cacheable)."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
+                                            "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def spin_until_changed(ctrl, idx, old, max_spins):
     """Spin (pause) until ctrl[idx] != old or max_spins pauses have passed; returns ctrl[idx]."""
     for i in range(max_spins):
@@ -130,7 +140,7 @@ def spin_until_changed(ctrl, idx, old, max_spins):
     return atomic_load(ctrl, idx)
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def spin_until_at_least(ctrl, idx, target, max_spins):
     """Spin until ctrl[idx] >= target or max_spins pauses passed; returns ctrl[idx]."""
     for i in range(max_spins):
@@ -144,24 +154,24 @@ def spin_until_at_least(ctrl, idx, target, max_spins):
 
 
 # Locked (GIL-held) variants: used where Python-level ordering with the GIL matters.
-@njit
+@njit(cache=True)
 def _load_gil(ctrl, idx):
     return atomic_load(ctrl, idx)
 
 
-@njit
+@njit(cache=True)
 def _store_gil(ctrl, idx, val):
     atomic_store(ctrl, idx, val)
 
 
-@njit
+@njit(cache=True)
 def _add_gil(ctrl, idx, val):
     return atomic_add(ctrl, idx, val)
 
 
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _spin_for_job(ctrl, last, max_spins):
     """Spin until SEQ holds a published job other than ``last`` (SEQ > 0) or STOP is set."""
     for i in range(max_spins):
@@ -174,7 +184,7 @@ def _spin_for_job(ctrl, last, max_spins):
     return last
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _spin_done(jctrl, max_spins):
     """Spin until the job is complete or aborted; returns True if it is."""
     for i in range(max_spins):
@@ -186,7 +196,7 @@ def _spin_done(jctrl, max_spins):
     return atomic_load(jctrl, JOB_COMPLETE) != 0 or atomic_load(jctrl, JOB_ABORT) != 0
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _spin_idle(ctrl, max_spins):
     """Spin until no participant is inside a job; returns True if so."""
     for i in range(max_spins):
@@ -220,28 +230,59 @@ _TIMEOUT, _STOPPED, _OTHER_KIND = 0, 1, 2
 DESC_SIZE = 1024  # int64 words of the job descriptor a native job reads
 
 
-def make_worker_loop(job):
-    """A nogil worker loop that joins every published job of its kind, without the GIL."""
+def icall_codegen(context, builder, sig, args):
+    """Codegen of ``icallN(addr, *args)``: call the numba-compiled function at ``addr`` (its
+    native entry point) with ``args``, propagating a raised exception."""
+    argtys = sig.args[1:]
+    fnty = context.call_conv.get_function_type(types.none, argtys)
+    fn = builder.inttoptr(args[0], fnty.as_pointer())
+    status, _ = context.call_conv.call_function(builder, fn, types.none, argtys, args[1:])
+    with builder.if_then(status.is_error, likely=False):
+        context.call_conv.return_status_propagate(builder, status)
+    return context.get_dummy_value()
 
-    @njit(nogil=True)
-    def loop(ctrl, jctrl, desc, nth, last, spin_iters, my_kind):
-        while True:
-            seq = _spin_for_job(ctrl, last, spin_iters)
-            if atomic_load(ctrl, _STOP) != 0:
-                return seq, _STOPPED
-            if seq == last:
-                return last, _TIMEOUT
-            if atomic_load(ctrl, _KIND) != my_kind:
-                return last, _OTHER_KIND
-            atomic_add(ctrl, _ACTIVE, 1)
-            if atomic_load(ctrl, _SEQ) != seq:  # the submitter closed it meanwhile
-                atomic_add(ctrl, _ACTIVE, -1)
-                continue
-            job(nth, jctrl, desc)
+
+@intrinsic
+def icall3(typingctx, addr, a0, a1, a2):
+    if not isinstance(addr, types.Integer):
+        return None
+    return types.void(addr, a0, a1, a2), icall_codegen
+
+
+def native_address(dispatcher, argtypes: tuple) -> int:
+    """Compile ``dispatcher`` for ``argtypes`` (it must return None) and return the address of
+    its native entry point, for an indirect call from jitted code. Calling through the address
+    does not link (and code-generate again) the callee's IR into the caller."""
+    dispatcher.compile(argtypes)
+    cres = dispatcher.overloads[argtypes]
+    if cres.signature.return_type != types.none:
+        raise TypeError(f"{dispatcher} must return None, returns {cres.signature.return_type}")
+    return int(cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name))
+
+
+_I64_1D = types.Array(types.int64, 1, "C")
+JOB_SIGNATURE = (types.int64, _I64_1D, _I64_1D)
+
+
+@njit(nogil=True, cache=True)
+def _worker_loop(ctrl, jctrl, desc, nth, last, spin_iters):
+    """Join every published native job (ctrl[KIND] = the job's address) without the GIL."""
+    while True:
+        seq = _spin_for_job(ctrl, last, spin_iters)
+        if atomic_load(ctrl, _STOP) != 0:
+            return seq, _STOPPED
+        if seq == last:
+            return last, _TIMEOUT
+        addr = atomic_load(ctrl, _KIND)
+        if addr == 0:
+            return last, _OTHER_KIND
+        atomic_add(ctrl, _ACTIVE, 1)
+        if atomic_load(ctrl, _SEQ) != seq:  # the submitter closed it meanwhile
             atomic_add(ctrl, _ACTIVE, -1)
-            last = seq
-
-    return loop
+            continue
+        icall3(addr, nth, jctrl, desc)
+        atomic_add(ctrl, _ACTIVE, -1)
+        last = seq
 
 
 # ----------------------------------------------------------------------------- topology
@@ -301,7 +342,6 @@ class _State:
         self.cond = threading.Condition()
         self.sleepers = 0
         self.job: _Job | None = None
-        self.loops: dict[int, object] = {}
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()  # one submitter at a time
         self.closed = False
@@ -352,8 +392,8 @@ def _worker_main(state: _State, wid: int, cpus: list[int] | None):
     while True:
         if loop_kind:
             try:
-                last, code = state.loops[loop_kind](ctrl, state.jctrl, state.desc, n, last,
-                                                    state.spin_iters, loop_kind)
+                last, code = _worker_loop(ctrl, state.jctrl, state.desc, n, last,
+                                          state.spin_iters)
             except BaseException as exc:  # noqa: BLE001 - the job raised: re-raised at wait()
                 last = _load_gil(ctrl, _SEQ)
                 _fail(state, state.job, wid, exc)
@@ -376,8 +416,9 @@ def _worker_main(state: _State, wid: int, cpus: list[int] | None):
             continue
         kind = int(_load_gil(ctrl, _KIND))
         if kind:
-            loop_kind = kind
+            loop_kind = 1
             continue
+        loop_kind = 0
         # a Python job
         seq = _load_gil(ctrl, _SEQ)
         _add_gil(ctrl, _ACTIVE, 1)
@@ -534,17 +575,12 @@ class CpuPool:
         return buf[:size]
 
     def _kind(self, job) -> int:
+        """A native job's kind: the address of its compiled entry point."""
         k = self._kinds.get(id(job))
         if k is None:
-            k = len(self._kinds) + 1
-            loop = make_worker_loop(job)
-            st = self._state
-            # compile here, so that a job that does not compile fails in the submitter's thread;
-            # with zero spins and a kind no job has, the loop returns at once
-            loop(st.ctrl, st.jctrl, st.desc, st.nthreads, _load_gil(st.ctrl, _SEQ), 0, -1)
+            k = native_address(job, JOB_SIGNATURE)
             self._kinds[id(job)] = k
             self._kind_keep.append(job)
-            st.loops[k] = loop
         return k
 
     def begin(self, jctrl_words: int = JOB_FREE) -> tuple[np.ndarray, np.ndarray]:
@@ -665,7 +701,7 @@ def _noop(tid):
     return None
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _native_noop(nth, jctrl, desc):
     # every participant that joins counts itself; the last of nth completes the job, so the
     # measurement includes waking every worker
