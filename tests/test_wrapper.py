@@ -1,0 +1,105 @@
+"""kt.KTMoEWrapper: kt-kernel's constructor and methods, on CPU tensors."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kt import reference as ref  # noqa: E402
+from kt.cpu_ops.packing import unpack  # noqa: E402
+from kt.cpu_ops.pool import CpuPool  # noqa: E402
+from kt.testing import random_expert_weights  # noqa: E402
+from kt.wrapper import KTMoEWrapper  # noqa: E402
+
+E, K, H, I = 8, 2, 128, 64
+
+
+def _weights():
+    g, u, d = random_expert_weights(E, H, I, seed=3)
+    return tuple(torch.from_numpy(a).to(torch.bfloat16) for a in (g, u, d))
+
+
+def _qref(w, x, ids, tw, skip=None):
+    m = w.moe
+    q13 = [unpack(m.w13.expert(e)) for e in range(E)]
+    q2 = [unpack(m.w2.expert(e)) for e in range(E)]
+    return ref.moe_forward_quantized(x.float(), ids, tw, q13, q2, skip_mask=skip)
+
+
+def _inputs(T, seed=0):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((T, H), dtype=np.float32)).to(torch.bfloat16)
+    ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)])).long()
+    tw = torch.from_numpy(rng.random((T, K), dtype=np.float32))
+    return x, ids, tw
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16", "MOE_INT8"])
+def test_forward_matches_reference(method):
+    g, u, d = _weights()
+    # positional arguments exactly as kt-kernel's signature orders them
+    w = KTMoEWrapper(0, E, K, H, I, None, 2, 1, None, 512, method=method)
+    w.load_weights_from_tensors(g, u, d, torch.arange(E))
+    x, ids, tw = _inputs(5)
+    out = w.forward(x, ids, tw)
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (5, H) and out.device.type == "cpu"
+    r = _qref(w, x, ids, tw)
+    assert ref.relative_error(out.float(), r) < 5e-3  # bf16 output rounding
+    w.submit_forward(x, ids, tw)
+    out2 = w.sync_forward(x)
+    assert torch.equal(out, out2)
+
+
+def test_gpu_experts_are_skipped_and_map_permutes():
+    g, u, d = _weights()
+    x, ids, tw = _inputs(6, seed=1)
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[[1, 4]] = True
+    w = KTMoEWrapper(layer_idx=3, num_experts=E, num_experts_per_tok=K, hidden_size=H,
+                     moe_intermediate_size=I, gpu_experts_mask=mask, cpuinfer_threads=2,
+                     threadpool_count=1, weight_path=None, chunked_prefill_size=4,
+                     method="AMXINT8")
+    w.load_weights_from_tensors(g, u, d, None)
+    out = w.forward(x, ids, tw)
+    r = _qref(w, x, ids, tw, skip=mask.numpy())
+    assert ref.relative_error(out.float(), r) < 5e-3
+    # num_gpu_experts=N: experts [0, N) on the GPU
+    w2 = KTMoEWrapper(3, E, K, H, I, cpuinfer_threads=2, method="AMXINT8", num_gpu_experts=3)
+    assert w2.gpu_experts_mask.tolist() == [True] * 3 + [False] * (E - 3)
+    # physical slot p holds logical expert p2l[p]
+    p2l = torch.tensor([3, 0, 1, 2, 7, 6, 5, 4])
+    w3 = KTMoEWrapper(0, E, K, H, I, cpuinfer_threads=2, method="BF16")
+    w3.load_weights_from_tensors(g, u, d, p2l)
+    w4 = KTMoEWrapper(0, E, K, H, I, cpuinfer_threads=2, method="BF16")
+    w4.load_weights_from_tensors(g[p2l], u[p2l], d[p2l], None)
+    assert torch.equal(w3.forward(x, ids, tw), w4.forward(x, ids, tw))
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="supported:.*AMXINT4.*AMXINT8.*BF16"):
+        KTMoEWrapper(0, E, K, H, I, method="FOO")
+    with pytest.raises(ValueError, match="not supported by kt"):
+        KTMoEWrapper(0, E, K, H, I, method="LLAMAFILE")
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        KTMoEWrapper(0, E, E + 1, H, I)
+    with pytest.raises(ValueError, match="gpu_experts_mask"):
+        KTMoEWrapper(0, E, K, H, I, gpu_experts_mask=torch.zeros(E + 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="num_gpu_experts"):
+        KTMoEWrapper(0, E, K, H, I, num_gpu_experts=E + 1)
+    with pytest.raises(NotImplementedError, match="max_deferred_experts_per_token"):
+        KTMoEWrapper(0, E, K, H, I, max_deferred_experts_per_token=2)
+    w = KTMoEWrapper(0, E, K, H, I, cpuinfer_threads=2, method="AMXINT8")
+    x, ids, tw = _inputs(2)
+    with pytest.raises(RuntimeError, match="weights not loaded"):
+        w.forward(x, ids, tw)
+    with pytest.raises(ValueError, match="weight_path"):
+        w.load_weights()
+    g, u, d = _weights()
+    with pytest.raises(ValueError, match="down_proj must be"):
+        w.load_weights_from_tensors(g, u, d.transpose(1, 2), None)
+    with pytest.raises(ValueError, match="physical_to_logical_map"):
+        w.load_weights_from_tensors(g, u, d, torch.arange(E) + 1)
+    w.load_weights_from_tensors(g, u, d, None)
+    with pytest.raises(RuntimeError, match="sync_forward without"):
+        w.sync_forward(x)
+    with pytest.raises(ValueError, match="topk_ids must be in"):
+        w.forward(x, ids + E, tw)
