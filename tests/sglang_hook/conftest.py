@@ -33,6 +33,12 @@ try:
     out["sglang"] = m.version("sglang")
 except m.PackageNotFoundError:
     pass
+out["pins"] = {}
+for n in ("numpy", "torch"):
+    try:
+        out["pins"][n] = m.version(n)
+    except m.PackageNotFoundError:
+        pass
 out["missing"] = [n for n in ("torch", "numba", "llvmlite", "safetensors", "tqdm", "numpy")
                   if u.find_spec(n) is None]
 for ep in m.entry_points(group="sglang.srt.plugins"):
@@ -95,8 +101,17 @@ def _create(py: Path) -> None:
     _run_logged([base, "-m", "venv", str(VENV)], log, "python -m venv", 300)
     pip = [str(py), "-m", "pip", "install", "--progress-bar", "off"]
     _run_logged(pip + [f"sglang=={SGLANG_VERSION}"], log, "pip install sglang", 3600)
-    # kt's own dependencies, resolved against the numpy/torch sglang brought (no upgrade of those)
-    _run_logged(pip + KT_DEPS, log, "pip install kt's dependencies", 900)
+    _install_kt_deps(py, log)
+
+
+def _install_kt_deps(py: Path, log: Path) -> None:
+    """kt's own dependencies, resolved against the numpy and torch SGLang brought (pinned: never
+    upgraded or downgraded here)."""
+    info = _probe(py) or {"pins": {}}
+    constraints = VENV / "kt-constraints.txt"
+    constraints.write_text("".join(f"{n}=={v}\n" for n, v in info.get("pins", {}).items()))
+    _run_logged([str(py), "-m", "pip", "install", "--progress-bar", "off", "-c", str(constraints), *KT_DEPS],
+                log, "pip install kt's dependencies", 900)
 
 
 @pytest.fixture(scope="session")
@@ -114,9 +129,7 @@ def sglang_python() -> Path:
             pytest.fail(f"{VENV}: expected sglang {SGLANG_VERSION}, found {info and info['sglang']}; "
                         f"remove the directory to rebuild it", pytrace=False)
         if info["missing"]:
-            _run_logged([str(py), "-m", "pip", "install", "--progress-bar", "off", *KT_DEPS],
-                        VENV.parent / f"sglang-{SGLANG_VERSION}-install.log", "pip install kt's dependencies",
-                        900)
+            _install_kt_deps(py, VENV.parent / f"sglang-{SGLANG_VERSION}-install.log")
         want = REPO.as_uri()
         if info["kt_entry"] != "kt.sglang_hook:plugin" or (info["kt_path"] or "").rstrip("/") != want:
             log = VENV.parent / f"sglang-{SGLANG_VERSION}-install.log"
