@@ -156,6 +156,14 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _log_axis(ax, values) -> None:
+    """Log x axis (the all-GPU rows are an order of magnitude beyond the CPU ones), starting at the
+    decade below the smallest value so every bar starts from the same place."""
+    if values:
+        ax.set_xscale("log")
+        ax.set_xlim(left=10 ** math.floor(math.log10(min(values))), right=max(values) * 2)
+
+
 def make_plots(data: dict, out_dir: str) -> None:
     import matplotlib
 
@@ -169,15 +177,18 @@ def make_plots(data: dict, out_dir: str) -> None:
         names = [e["name"] for e in rows]
         y = np.arange(len(rows))
         hgt = 0.8 / len(batches)
+        lows = []
         for i, b in enumerate(batches):
-            vals = [e["decode"].get(str(b), {}).get("tok_s", 0.0) for e in rows]
+            vals = [e["decode"].get(str(b), {}).get("tok_s") or 0.0 for e in rows]
+            lows += [v for v in vals if v > 0]
             ax.barh(y + i * hgt, vals, height=hgt, label=f"batch {b}")
             for yy, v in zip(y + i * hgt, vals):
                 if v:
                     ax.text(v, yy, f" {v:.1f}", va="center", fontsize=7)
         ax.set_yticks(y + hgt * (len(batches) - 1) / 2, names, fontsize=8)
         ax.invert_yaxis()
-        ax.set_xlabel("decode tokens/s (all rows of the batch)")
+        _log_axis(ax, lows)
+        ax.set_xlabel("decode tokens/s (all rows of the batch; log scale)")
         ax.set_title(f"decode, {data['meta'].get('model', {}).get('name')}"
                      f"{' (dry run)' if data['meta'].get('dry_run') else ''}")
         ax.legend(fontsize=8)
@@ -191,8 +202,10 @@ def make_plots(data: dict, out_dir: str) -> None:
         fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) * len(keys) + 1.5))
         y = np.arange(len(rows))
         hgt = 0.8 / len(keys)
+        lows = []
         for i, k in enumerate(keys):
-            vals = [e["prefill"].get(k, {}).get("tok_s", 0.0) for e in rows]
+            vals = [e["prefill"].get(k, {}).get("tok_s") or 0.0 for e in rows]
+            lows += [v for v in vals if v > 0]
             t, mode = k.split("_")
             ax.barh(y + i * hgt, vals, height=hgt, label=f"{t} tokens, layer-wise {mode}")
             for yy, v in zip(y + i * hgt, vals):
@@ -200,7 +213,8 @@ def make_plots(data: dict, out_dir: str) -> None:
                     ax.text(v, yy, f" {v:.0f}", va="center", fontsize=7)
         ax.set_yticks(y + hgt * (len(keys) - 1) / 2, [e["name"] for e in rows], fontsize=8)
         ax.invert_yaxis()
-        ax.set_xlabel("prefill tokens/s (batch 1, first token included)")
+        _log_axis(ax, lows)
+        ax.set_xlabel("prefill tokens/s (batch 1, first token included; log scale)")
         ax.set_title("prefill" + (" (dry run)" if data["meta"].get("dry_run") else ""))
         ax.legend(fontsize=8)
         fig.tight_layout()
