@@ -6,7 +6,8 @@ def _run(args) -> int:
     from ..hf.demo import run_demo
 
     return run_demo(scheme=args.scheme, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-                    threads=args.threads, backend=args.backend, rebuild=args.rebuild)
+                    threads=args.threads, backend=args.backend, rebuild=args.rebuild,
+                    demo_dir=args.dir)
 
 
 def add_parser(subparsers) -> None:
@@ -25,4 +26,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--backend", default="kt", choices=["kt", "reference"],
                    help="reference = kt's numpy spec instead of its kernels (slow; debugging)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the demo model")
+    p.add_argument("--dir", default=None, metavar="DIR",
+                   help="where the demo model and its kt weights go (default: <kt cache dir>/demo)")
     p.set_defaults(func=_run)

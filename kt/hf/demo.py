@@ -60,23 +60,24 @@ def _working(desc: str, out):
         bar.close()
 
 
-def demo_model_dir(cache_dir: Path | None = None) -> Path:
-    if cache_dir is None:
+def demo_model_dir(demo_dir: Path | None = None) -> Path:
+    """Where the demo model lives: ``<demo_dir>/<name>``, demo_dir default ``<kt cache>/demo``."""
+    if demo_dir is None:
         from ..config import get_config
 
-        cache_dir = get_config().cache_dir
-    return Path(cache_dir) / "demo" / f"{DEMO_MODEL['family']}-tiny-v{_RECIPE_VERSION}"
+        demo_dir = get_config().cache_dir / "demo"
+    return Path(demo_dir) / f"{DEMO_MODEL['family']}-tiny-v{_RECIPE_VERSION}"
 
 
 def _marker(d: Path) -> Path:
     return d / "kt_demo.json"
 
 
-def build_demo_model(cache_dir: Path | None = None, *, rebuild: bool = False, out=None) -> Path:
+def build_demo_model(demo_dir: Path | None = None, *, rebuild: bool = False, out=None) -> Path:
     """The demo model's directory, built on first use (atomically: a temp dir, then renamed)."""
     from .tiny import save_tiny_model
 
-    d = demo_model_dir(cache_dir)
+    d = demo_model_dir(demo_dir)
     want = {"recipe": _RECIPE_VERSION, **DEMO_MODEL}
     if not rebuild and _marker(d).is_file():
         try:
@@ -97,7 +98,7 @@ def build_demo_model(cache_dir: Path | None = None, *, rebuild: bool = False, ou
 
 def run_demo(*, scheme: str = "int8", prompt: str = "Once upon a time there was a processor",
              max_new_tokens: int = 32, threads: int | None = None, backend: str = "kt",
-             rebuild: bool = False, cache_dir: Path | None = None, out=None) -> int:
+             rebuild: bool = False, demo_dir: Path | None = None, out=None) -> int:
     """Run the demo; prints as it goes. Returns 0 when kt agrees with transformers within the
     scheme's bound (``kt.hf.accuracy.KL_BOUNDS``; BF16 also needs identical greedy tokens)."""
     import sys
@@ -117,7 +118,7 @@ def run_demo(*, scheme: str = "int8", prompt: str = "Once upon a time there was 
     sch = QuantScheme.parse(scheme)
     t_start = time.perf_counter()
 
-    model_dir = build_demo_model(cache_dir, rebuild=rebuild, out=out)
+    model_dir = build_demo_model(demo_dir, rebuild=rebuild, out=out)
     say(f"model: {model_dir}  ({DEMO_MODEL['num_layers']} layers, {DEMO_MODEL['num_experts']} experts "
         f"top-{DEMO_MODEL['top_k']}, hidden {DEMO_MODEL['hidden_size']}, random weights)")
 
@@ -144,7 +145,7 @@ def run_demo(*, scheme: str = "int8", prompt: str = "Once upon a time there was 
     say(f"experts: {experts.moe!r}")
 
     ids = tok(prompt, return_tensors="pt")["input_ids"]
-    with _working("compiling kt kernels for this CPU (first run only)", out), torch.no_grad():
+    with _working("warming up kt (kernels compile on first use)", out), torch.no_grad():
         kt_model(ids)
         kt_model(ids[:, :1])
 
