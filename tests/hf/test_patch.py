@@ -212,3 +212,14 @@ def test_hybrid_half_the_experts_on_gpu_matches_cpu_only(scheme):
     a_hr = compare_models(ref, hyb, prompts, greedy_steps=0)
     print(f"hybrid vs cpu-only {scheme}: {a_hc}\nhybrid vs transformers {scheme}: {a_hr}")
     assert a_hc.mean_kl <= KL_BOUNDS[scheme] and a_hr.mean_kl <= KL_BOUNDS[scheme]
+
+
+def test_importing_kt_hf_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, kt, kt.hf; kt.hf.PatchConfig; kt.patch_model; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'; "
+            "assert 'numba' not in sys.modules, 'numba imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
