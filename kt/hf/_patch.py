@@ -213,8 +213,10 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
     ``config`` (or keyword ``overrides`` of PatchConfig fields) says how. Every sparse MoE block
     keeps its router and shared experts; its experts module becomes a ``KTExperts`` running
     ``CPUMoE`` (or ``HybridMoE`` with a placement), built from a kt weight directory or from the
-    model's own expert weights, which are then freed. Everything is validated before the first
-    layer is touched, so a failure leaves the model as it was.
+    model's own expert weights, which are then freed layer by layer (so peak memory grows by one
+    layer, not by a second copy of the experts). The architecture, shapes, weight directory and
+    placement are all checked before the first layer is touched, so those errors leave the model
+    as it was; an error converting a layer's weights (e.g. NaN) leaves the earlier layers patched.
 
     ``device``: where the model will run (default: where its weights are now). Give "cuda" to
     patch a model still on the CPU and move it afterwards: the experts never reach the GPU.
