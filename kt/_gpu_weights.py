@@ -33,18 +33,27 @@ def packed_to_device(p: PackedWeight, experts, device, dtype: str = "bf16"):
     if dtype not in GPU_WEIGHT_DTYPES:
         raise ValueError(f"GPU expert dtype must be one of {GPU_WEIGHT_DTYPES}, got {dtype!r}")
     idx = np.asarray(list(experts), dtype=np.int64)
-    n, d = p.n, p.d
     if idx.size == 0:
         wdt = torch.int8 if dtype == "int8" else torch.bfloat16
-        scale = torch.zeros((0, n), dtype=torch.float32, device=device) if dtype == "int8" else None
-        return torch.zeros((0, n, d), dtype=wdt, device=device), scale
-    data = torch.from_numpy(np.ascontiguousarray(p.data[idx])).to(device, non_blocking=False)
+        scale = torch.zeros((0, p.n), dtype=torch.float32, device=device) if dtype == "int8" else None
+        return torch.zeros((0, p.n, p.d), dtype=wdt, device=device), scale
+    data = torch.from_numpy(np.ascontiguousarray(p.data[idx])).to(device)
+    scale = torch.from_numpy(np.ascontiguousarray(p.scale[idx])).to(device) if p.scale.size else None
+    return unpack_on_device(p, data, scale, dtype)
+
+
+def unpack_on_device(p: PackedWeight, data: torch.Tensor, scale: torch.Tensor | None, dtype: str):
+    """Packed bytes already on the GPU ([S, NB, lines, 16, per] in p's dtype, and p's scale
+    arrays for those S experts) -> (w [S, N, D], per-row scale [S, N] or None)."""
+    if dtype not in GPU_WEIGHT_DTYPES:
+        raise ValueError(f"GPU expert dtype must be one of {GPU_WEIGHT_DTYPES}, got {dtype!r}")
+    n, d = p.n, p.d
     if p.scheme is QuantScheme.INT8:
         q = _unlines(data, n, d)
-        scale = torch.from_numpy(np.ascontiguousarray(p.scale[idx][:, :n])).to(device)
+        row_scale = scale[:, :n]
         if dtype == "int8":
-            return q.contiguous(), scale.contiguous()
-        return (q.float() * scale[:, :, None]).to(torch.bfloat16).contiguous(), None
+            return q.contiguous(), row_scale.contiguous()
+        return (q.float() * row_scale[:, :, None]).to(torch.bfloat16).contiguous(), None
     if dtype == "int8":
         raise ValueError(f"int8 GPU experts need the INT8 CPU scheme (per-row scales), "
                          f"the CPU weights are {p.scheme.value}")
@@ -58,7 +67,58 @@ def packed_to_device(p: PackedWeight, experts, device, dtype: str = "bf16"):
     nib = torch.stack([lo, hi], dim=3).reshape(s, nb, half * 2, rows, per)
     q = _unlines(nib, p.n_pad, p.d_pad).float()
     g = p.group_size
-    sc = torch.from_numpy(np.ascontiguousarray(p.scale[idx])).to(device)  # [S, NB, ng, 16]
-    sc = sc.permute(0, 1, 3, 2).reshape(s, p.n_pad, -1)  # [S, n_pad, ng]
+    sc = scale.permute(0, 1, 3, 2).reshape(s, p.n_pad, -1)  # [S, NB, ng, 16] -> [S, n_pad, ng]
     w = (q.reshape(s, p.n_pad, -1, g) * sc[:, :, :, None]).reshape(s, p.n_pad, p.d_pad)
     return w[:, :n, :d].to(torch.bfloat16).contiguous(), None
+
+
+def pin_host_array(a: np.ndarray) -> bool:
+    """Page-lock a numpy array's memory for fast DMA (cudaHostRegister); False if refused."""
+    if a.nbytes == 0:
+        return False
+    cudart = torch.cuda.cudart()
+    for flags in (0, 8):  # default; read-only (file mappings opened read-only)
+        try:
+            err = cudart.cudaHostRegister(a.ctypes.data, a.nbytes, flags)
+        except Exception:
+            return False
+        if int(err) == 0:
+            return True
+    torch.cuda.synchronize()  # clear nothing: a failed register leaves no sticky error
+    return False
+
+
+class LayerStaging:
+    """GPU buffers that hold one layer's packed experts during layer-wise prefill.
+
+    Shared by every layer on a device: layers run one after another on the stream, so one set of
+    buffers (grown to the largest layer) serves them all instead of one copy per layer.
+    """
+
+    _shared: dict = {}
+
+    def __init__(self, device):
+        self.device = device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def for_device(cls, device) -> "LayerStaging":
+        key = str(device)
+        if key not in cls._shared:
+            cls._shared[key] = cls(device)
+        return cls._shared[key]
+
+    def upload(self, name: str, a: np.ndarray) -> torch.Tensor:
+        """Copy a (pinned) host array into the named buffer on the current stream, as raw bytes;
+        returns a tensor of a's dtype and shape viewing the buffer."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < a.nbytes:
+            buf = torch.empty(a.nbytes, dtype=torch.uint8, device=self.device)
+            self._bufs[name] = buf
+        src = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+        dst = buf[: a.nbytes]
+        dst.copy_(src, non_blocking=True)
+        tdt = {np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8,
+               np.dtype(np.uint16): torch.int16, np.dtype(np.float32): torch.float32,
+               np.dtype(np.int32): torch.int32}[a.dtype]
+        return dst.view(tdt).view(a.shape)

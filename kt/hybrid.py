@@ -194,6 +194,8 @@ class HybridMoE:
         self._lock = threading.Lock()  # forward vs update_placement
         self._bridge = None
         self._streams_seen: set = set()
+        self._pinned = False  # CPU expert memory page-locked for layer-wise prefill
+        self._all_slots = None
         self.observer = None  # e.g. a DynamicPlacer: observer.observe(layer_idx, topk_ids, weights)
         self.after_forward = None  # callable run after each forward (DynamicReplacement)
         self._set_placement(gpu_slot)
@@ -408,22 +410,34 @@ class HybridMoE:
         return thr is not None and t >= thr
 
     def _forward_gpu_prefill(self, x, topk_ids, topk_weights):
-        """Every expert on the GPU for this batch: copy the CPU experts over, compute, drop them."""
+        """Every expert on the GPU for this batch: the layer's packed experts are copied over as
+        they are (from page-locked host memory, into staging buffers shared by all layers),
+        unpacked there, and all E experts run in one fused MoE."""
+        from ._gpu_weights import LayerStaging, pin_host_array, unpack_on_device
         from .gpu_ops import fused_moe
 
-        with self._lock:
-            gpu = self._gpu
-            row = self.gpu_slot
-        cpu_experts = np.nonzero(row < 0)[0]
-        w13c, w2c, s13c, s2c = self._build_gpu_weights(
-            np.where(row < 0, np.cumsum(row < 0) - 1, -1))
-        e2s = torch.full((self.num_experts,), -1, dtype=torch.int32)
-        e2s[torch.from_numpy(cpu_experts)] = torch.arange(len(cpu_experts), dtype=torch.int32)
-        out = fused_moe(x, topk_ids, topk_weights, e2s.to(self.device), w13c, w2c,
-                        w13_scale=s13c, w2_scale=s2c)
-        if gpu is not None:
-            out = out + fused_moe(x, topk_ids, topk_weights, gpu["e2s"], gpu["w13"], gpu["w2"],
-                                  w13_scale=gpu["w13_scale"], w2_scale=gpu["w2_scale"])
+        if not self._pinned:
+            self._pinned = True
+            for p in (self.cpu.w13, self.cpu.w2):
+                for arr in (p.data, p.scale):
+                    pin_host_array(arr)
+        stage = LayerStaging.for_device(self.device)
+        dtype = "int8" if self.cpu.scheme is QuantScheme.INT8 else "bf16"
+        w = {}
+        for name, p in (("w13", self.cpu.w13), ("w2", self.cpu.w2)):
+            data = stage.upload(name, p.data)
+            scale = stage.upload(name + "_scale", p.scale) if p.scale.size else None
+            w[name] = unpack_on_device(p, data, scale, dtype)
+        w13, s13 = w["w13"]
+        w2, s2 = w["w2"]
+        i, off = self.intermediate, int(getattr(self.cpu, "up_offset", self.intermediate))
+        if off != i:
+            w13 = torch.cat([w13[:, :i], w13[:, off:off + i]], dim=1)
+            s13 = None if s13 is None else torch.cat([s13[:, :i], s13[:, off:off + i]], dim=1)
+        if self._all_slots is None:
+            self._all_slots = torch.arange(self.num_experts, dtype=torch.int32, device=self.device)
+        out = fused_moe(x, topk_ids, topk_weights, self._all_slots, w13, w2,
+                        w13_scale=s13, w2_scale=s2)
         return self._add_pending(out)
 
     # -- construction helpers ---------------------------------------------------------------------
