@@ -8,9 +8,9 @@ what its variant allows (README.md).
 
 Memory helpers take ``(array, index)``: ``index`` counts elements of the array's own dtype from the
 array's data pointer, i.e. a flat index into a C-contiguous array (for a row-strided 2-D array use
-``row * (strides[0] // itemsize) + col``). Loads and stores are unaligned (``align 1``): on the CPUs kt
-targets an unaligned access to an aligned address costs nothing, and packed lines are 64-byte aligned
-whenever numpy's allocation is.
+``row * (strides[0] // itemsize) + col``). Loads and stores are unaligned (``align 1``): on the
+CPUs kt targets an unaligned access to an aligned address costs nothing, and packed lines are
+64-byte aligned whenever numpy's allocation is.
 """
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ def kernel_for(op: str, scheme: QuantScheme | str, variant: str | None = None):
 
 def _check_packed(packed) -> PackedWeight:
     if not isinstance(packed, PackedWeight):
-        raise TypeError(f"packed must be a kt.cpu_ops.packing.PackedWeight, got {type(packed).__name__}")
+        raise TypeError("packed must be a kt.cpu_ops.packing.PackedWeight, got "
+                        f"{type(packed).__name__}")
     if packed.data.ndim != 4:
         raise ValueError(f"packed must be a single matrix (data.ndim == 4), got data.ndim="
                          f"{packed.data.ndim}; use packed.expert(e) for a stack")

@@ -1,4 +1,4 @@
-"""AVX2 kernels (256-bit, ymm only, no AVX-512): INT8 and INT4 with vpmaddubsw/vpmaddwd, BF16 with FMA.
+"""AVX2 kernels (ymm only, no AVX-512): INT8 / INT4 with vpmaddubsw + vpmaddwd, BF16 with FMA.
 
 Same contract as kernels_avx512 (kt/cpu_ops/README.md) and the same packed layout: each 64-byte
 line is read as two 32-byte halves, rows 0-7 and rows 8-15 of the block.
