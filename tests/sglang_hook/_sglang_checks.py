@@ -238,12 +238,12 @@ def publish_cli(argv):
     return sa
 
 
-def build_layer(layer_id: int, gate, up, down):
+def build_layer(layer_id: int, gate, up, down, dtype=None):
     import torch
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     moe = FusedMoE(num_experts=E, hidden_size=H, intermediate_size=I, layer_id=layer_id, top_k=K,
-                   params_dtype=torch.float32, prefix=f"model.layers.{layer_id}.mlp.experts")
+                   params_dtype=dtype or torch.float32, prefix=f"model.layers.{layer_id}.mlp.experts")
     for e in range(E):  # the loading path SGLang's models take: param.weight_loader, global expert ids
         moe.w13_weight.weight_loader(moe.w13_weight, torch.from_numpy(gate[e]), "experts.w13_weight",
                                      shard_id="w1", expert_id=e)
@@ -352,6 +352,38 @@ def check_fused_moe(root: Path, wdir: Path, pfile: Path, stats: Path):
     line = [l for l in logs.getvalue().splitlines() if "SGLang integration active" in l]
     out["log"] = line
     return out
+
+
+@record("fused_moe_bf16")
+def check_bf16(root: Path, wdir: Path, pfile: Path):
+    """The serving dtype: bf16 weights and activations (SGLang's path rounds its GEMM outputs and
+    SiLU*up to bf16, kt's CPU experts return bf16), so the bound is bf16's: rtol 2^-6 + 2e-2 * rms."""
+    import torch
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    from kt import reference as R
+    from kt.testing import assert_close
+
+    src = tiny_checkpoint(root)
+    init_dist()
+    publish_cli(["--model-path", str(src), "--device", "cpu", "--kt-weight-path", str(wdir),
+                 "--kt-placement", str(pfile)])
+    gate, up, down = expert_weights(src, 0)
+    moe = build_layer(0, gate, up, down, dtype=torch.bfloat16)
+    hot_mask = np.zeros(E, bool)
+    hot_mask[list(HOT[0])] = True
+    x, ids, w, logits = routing(24, seed=21)
+    y = moe(x.bfloat16(), StandardTopKOutput(w, ids, logits))
+    assert y.dtype == torch.bfloat16, y.dtype
+    xb = R.bf16_round(x.numpy())
+    w13 = np.concatenate([gate, up], axis=1)
+    hot = R.moe_forward(xb, ids.numpy(), w.numpy(), R.bf16_round(w13), R.bf16_round(down), skip_mask=~hot_mask)
+    q13 = [R.quantize(w13[e], "int8") for e in range(E)]
+    q2 = [R.quantize(down[e], "int8") for e in range(E)]
+    ref = hot.astype(np.float64) + R.moe_forward_quantized(xb, ids.numpy(), w.numpy(), q13, q2, skip_mask=hot_mask)
+    rms = float(np.sqrt(np.mean(ref ** 2)))
+    assert_close(ref, y.float().numpy(), rtol=2 ** -6, atol=2e-2 * rms, what="bf16 layer")
+    return {"max_rel": float(np.abs(y.float().numpy() - ref).max() / np.abs(ref).max())}
 
 
 @record("fused_moe_deferred")
@@ -472,6 +504,7 @@ def main():
         check_kt_run_command(root, wdir)
     if "layer" in what:
         check_fused_moe(root, wdir, pfile, stats)
+        check_bf16(root, wdir, pfile)
         check_deferred(root, wdir, pfile)
         check_convert_on_load(root, pfile)
         check_dynamic(root, wdir, pfile)

@@ -95,6 +95,12 @@ def test_fused_moe_non_contiguous_placement_matches_reference(sglang_results):
                         "[CPU int8], 5 of 16 experts on GPU)"]
 
 
+def test_fused_moe_bf16_serving_dtype(sglang_results):
+    """bf16 weights and activations: within bf16's bound (rtol 2^-6 + 2e-2 * rms, asserted inside)."""
+    r = _ok(sglang_results[0], "fused_moe_bf16")
+    assert r["max_rel"] < 2e-2
+
+
 def test_fused_moe_deferred_experts_move_to_next_layer(sglang_results):
     r = _ok(sglang_results[0], "fused_moe_deferred")
     assert r["layer0_rel_change"] > 1e-2
