@@ -228,6 +228,41 @@ def kernel_address(kernel, scheme: int) -> int:
     return native_address(kernel, kernel_signature(scheme))
 
 
+@njit(cache=True)
+def put_call_arrays(desc, x, out, ids, tw, mask):
+    """Write the per-call array slots (x, out, ids, tw, mask) of ``desc`` (cheaper from here than
+    five numpy ``.ctypes`` look-ups)."""
+    desc[A_X * SLOT] = x.ctypes.data
+    desc[A_X * SLOT + 1] = x.shape[0]
+    desc[A_X * SLOT + 2] = x.shape[1]
+    desc[A_OUT * SLOT] = out.ctypes.data
+    desc[A_OUT * SLOT + 1] = out.shape[0]
+    desc[A_OUT * SLOT + 2] = out.shape[1]
+    desc[A_IDS * SLOT] = ids.ctypes.data
+    desc[A_IDS * SLOT + 1] = ids.shape[0]
+    desc[A_IDS * SLOT + 2] = ids.shape[1]
+    desc[A_TW * SLOT] = tw.ctypes.data
+    desc[A_TW * SLOT + 1] = tw.shape[0]
+    desc[A_TW * SLOT + 2] = tw.shape[1]
+    desc[A_MASK * SLOT] = mask.ctypes.data
+    desc[A_MASK * SLOT + 1] = mask.shape[0]
+
+
+@njit(cache=True)
+def id_range(ids):
+    """(min, max) of an int64 [T, K] array (T*K > 0)."""
+    lo = ids[0, 0]
+    hi = lo
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            v = ids[t, k]
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+    return lo, hi
+
+
 # ----------------------------------------------------------------------------- activations
 
 @njit(nogil=True, cache=True)
@@ -272,12 +307,14 @@ def bf16_row(src, dst, n):
 
 @njit(nogil=True, cache=True)
 def _blocks_per_task(nblocks, n_active, nthreads, fixed):
-    """Row blocks per (expert, rows) task: enough tasks for TASKS_PER_THREAD per thread."""
+    """Row blocks per (expert, rows) task: enough tasks for TASKS_PER_THREAD per thread, in
+    multiples of 4 blocks (the kernels' block group)."""
     if fixed > 0:
         return min(fixed, nblocks)
     target = nthreads * TASKS_PER_THREAD
     total = nblocks * n_active
     b = (total + target - 1) // target
+    b = (b + 3) // 4 * 4
     return max(1, min(b, nblocks))
 
 

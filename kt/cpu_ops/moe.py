@@ -28,8 +28,12 @@ MAX_CHUNKS_PER_JOB = 24
 
 def gemv_max_rows(scheme: QuantScheme, variant: str) -> int:
     """Largest per-expert token count that uses the ``gemv`` kernel rather than ``gemm``
-    (a speed heuristic; correctness does not depend on it)."""
-    return 4 if variant == "amx" else 8
+    (a speed heuristic from tiling.py; correctness does not depend on it)."""
+    from . import isa, tiling
+
+    if variant not in isa.VARIANTS:
+        return 4
+    return tiling.gemv_max_m(scheme, variant)
 
 
 # ----------------------------------------------------------------------------- compiled jobs
@@ -110,7 +114,7 @@ def _routing(name_ids, ids, name_w, w, T, E):
         raise TypeError(f"{name_w} must be floating point, got {w_np.dtype}")
     ids64 = np.ascontiguousarray(ids_np, dtype=np.int64)
     if ids64.size:
-        lo, hi = int(ids64.min()), int(ids64.max())
+        lo, hi = drv.id_range(ids64)
         if lo < -1 or hi >= E:
             raise ValueError(f"{name_ids} must be in [-1, {E}) (-1 = skip), got values in [{lo}, {hi}]")
     return ids64, np.ascontiguousarray(w_np, dtype=np.float32)
@@ -431,7 +435,7 @@ class CPUMoE:
             tmpl = self._scratch_desc(pool, rows_cap, tok_cap, K, act)
             desc[: tmpl.size] = tmpl
             xs, os_, is_, ws = xa[j0:j1], ob[j0:j1], ids[j0:j1], tw[j0:j1]
-            _fill_call(desc, xs, os_, is_, ws, mask)
+            drv.put_call_arrays(desc, xs, os_, is_, ws, mask)
             desc[drv.S_T] = T
             desc[drv.S_K] = K
             desc[drv.S_E] = self.num_experts
@@ -470,12 +474,6 @@ def _put(d: np.ndarray, slot: int, a: np.ndarray) -> None:
     o = slot * drv.SLOT
     d[o] = a.ctypes.data if a.size else 0
     d[o + 1: o + 1 + a.ndim] = a.shape
-
-
-def _fill_call(desc, x, out, ids, tw, mask):
-    for slot, a in ((drv.A_X, x), (drv.A_OUT, out), (drv.A_IDS, ids), (drv.A_TW, tw),
-                    (drv.A_MASK, mask)):
-        _put(desc, slot, a)
 
 
 def _direct_out(out, T, H, okind):

@@ -1,0 +1,278 @@
+"""CPU MoE layer benchmark: kt.CPUMoE on real model shapes, cold weights, fresh routing per call.
+
+For each shape x scheme x thread count x T, in one process:
+- min / median µs per layer call; GB/s of expert weights touched (distinct CPU experts hit x
+  bytes per expert); TOPS (2 * T * K * 3 * H * I); fraction of the roofline floor
+  max(bytes / measured bandwidth, ops / (measured per-thread peak x threads)), bandwidth and peaks
+  measured in the same run (benchmarks/bench_gemm.py's measurements);
+- cold weights: every call uses the next of several copies of the layer, totalling --pool-gb;
+- uniform routing: each token's K experts drawn without replacement, fresh for every call;
+- per-call overhead: the pool's empty-job round trip and a T=1 call whose experts are all masked
+  as GPU experts (nothing computed);
+- baselines: ``--baseline torch`` (the naive per-expert bf16 loop transformers runs, cold copies
+  too), ``--baseline kt-kernel`` (runs only where kt_kernel imports; else the reason is printed).
+
+Writes benchmarks/results/moe.json and moe.md (or --out). This machine (2 cores, brief):
+    python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --T 1,512 --threads 1,2 --baseline torch
+Device (16 cores, via the device tool; kt is not installed there, so PYTHONPATH=.):
+    PYTHONPATH=. python3 benchmarks/bench_moe.py --shapes qwen3-30b-a3b,deepseek-v2-lite \\
+        --T 1,4,32,512,2048 --threads 1,4,8,16 --pool-gb 6 --baseline torch --out $OUT/moe_device
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kt.config import QuantScheme  # noqa: E402
+from kt.cpu_ops import isa  # noqa: E402
+from kt.cpu_ops.moe import CPUMoE, _pack_stack  # noqa: E402
+from kt.cpu_ops.packing import PackedWeight  # noqa: E402
+from kt.cpu_ops.pool import CpuPool  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {  # E, K, H, I
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v2-lite": (64, 6, 2048, 1408),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+
+
+def _rand_expert(rng, n, d):
+    return (rng.standard_normal((n, d), dtype=np.float32) / np.float32(np.sqrt(d)))
+
+
+def build_layer(E, H, I, scheme, seed=0):
+    """Packed w13 [E, 2I, H], w2 [E, H, I] from random weights, generated one expert at a time."""
+    rng = np.random.default_rng(seed)
+    w13 = _pack_stack(lambda e: _rand_expert(rng, 2 * I, H), E, scheme, 64)
+    w2 = _pack_stack(lambda e: _rand_expert(rng, H, I), E, scheme, 64)
+    return w13, w2
+
+
+def _copy(p: PackedWeight) -> PackedWeight:
+    return PackedWeight(p.scheme, p.n, p.d, p.n_pad, p.d_pad, p.group_size, p.data.copy(),
+                        p.scale.copy(), p.wsum.copy())
+
+
+def routing(rng, T, E, K):
+    ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64)
+    w = rng.random((T, K), dtype=np.float32)
+    return ids, w / w.sum(axis=1, keepdims=True)
+
+
+def time_calls(fn, layers, T, E, K, H, reps, rng, warm=2):
+    """fn(layer, x, ids, w); returns (times_s, distinct experts per call)."""
+    xs = [rng.standard_normal((T, H), dtype=np.float32) for _ in range(2)]
+    ts, hit = [], []
+    n = len(layers)
+    for i in range(warm + reps):
+        ids, w = routing(rng, T, E, K)
+        x = xs[i % 2]
+        layer = layers[i % n]
+        t0 = time.perf_counter()
+        fn(layer, x, ids, w)
+        dt = time.perf_counter() - t0
+        if i >= warm:
+            ts.append(dt)
+            hit.append(len(np.unique(ids)))
+    return ts, hit
+
+
+def reps_for(T):
+    return 20 if T <= 4 else (8 if T <= 64 else 4)
+
+
+def bench_kt(shape_name, scheme, threads_list, Ts, pool_bytes, bw, peaks, rows, pin):
+    from bench_gemm import peak_for
+
+    E, K, H, I = SHAPES[shape_name]
+    t0 = time.time()
+    w13, w2 = build_layer(E, H, I, scheme)
+    layer_bytes = w13.nbytes + w2.nbytes
+    n_inst = max(2, -(-pool_bytes // layer_bytes))
+    insts = [(w13, w2)] + [(_copy(w13), _copy(w2)) for _ in range(n_inst - 1)]
+    print(f"  {shape_name} {scheme.value}: layer {layer_bytes / 2**20:.0f} MiB x {n_inst} copies "
+          f"(built in {time.time() - t0:.0f} s)", flush=True)
+    per_expert = layer_bytes / E
+    for nt in threads_list:
+        pool = CpuPool(nt, pin=pin)
+        layers = [CPUMoE(a, b, pool=pool) for a, b in insts]
+        variant = layers[0].variant
+        peak = peak_for(scheme, variant, peaks)
+        bw_t = bw.get("2_thread_GBps" if nt >= 2 else "1_thread_GBps") * 1e9
+        rng = np.random.default_rng(1)
+        for T in Ts:
+            ts, hit = time_calls(lambda L, x, i, w: L(x, i, w), layers, T, E, K, H, reps_for(T), rng)
+            tmin, tmed = min(ts), float(np.median(ts))
+            nbytes = float(np.mean(hit)) * per_expert
+            ops = 2.0 * T * K * 3 * H * I
+            floor = max(nbytes / bw_t, ops / (peak * nt) if peak else 0.0)
+            r = {"impl": "kt", "shape": shape_name, "scheme": scheme.value, "kernels": variant,
+                 "threads": nt, "T": T, "min_us": round(tmin * 1e6, 1),
+                 "median_us": round(tmed * 1e6, 1), "GBps": round(nbytes / tmin / 1e9, 2),
+                 "TOPS": round(ops / tmin / 1e12, 3), "floor_us": round(floor * 1e6, 1),
+                 "frac_of_floor": round(floor / tmin, 3), "weight_MB": round(nbytes / 1e6, 1)}
+            rows.append(r)
+            print(f"    kt {scheme.value:4s} thr={nt} T={T:5d}: min {tmin * 1e3:8.2f} ms  "
+                  f"med {tmed * 1e3:8.2f} ms  {r['GBps']:6.1f} GB/s  {r['TOPS']:.3f} TOPS  "
+                  f"{100 * r['frac_of_floor']:.0f}% of floor", flush=True)
+        # per-call overhead: all experts on the "GPU", nothing to compute here
+        mask = np.ones(E, bool)
+        x = np.zeros((1, H), np.float32)
+        ids, w = routing(np.random.default_rng(2), 1, E, K)
+        for _ in range(20):
+            layers[0](x, ids, w, gpu_mask=mask)
+        ts = []
+        for _ in range(200):
+            t1 = time.perf_counter()
+            layers[0](x, ids, w, gpu_mask=mask)
+            ts.append(time.perf_counter() - t1)
+        ho = pool.handoff_overhead_us(300)
+        rows.append({"impl": "kt-overhead", "shape": shape_name, "scheme": scheme.value,
+                     "threads": nt, "T": 1, "masked_call_min_us": round(min(ts) * 1e6, 1),
+                     "masked_call_median_us": round(float(np.median(ts)) * 1e6, 1),
+                     "pool_handoff_us": {k: round(v, 1) for k, v in ho.items()}})
+        print(f"    overhead thr={nt}: masked T=1 call median {np.median(ts) * 1e6:.1f} µs, "
+              f"pool hand-off median {ho['median']:.1f} µs", flush=True)
+        pool.shutdown()
+        del layers
+    del insts, w13, w2
+
+
+def bench_torch(shape_name, threads_list, Ts, pool_bytes, bw, rows):
+    import torch
+    import torch.nn.functional as F
+
+    E, K, H, I = SHAPES[shape_name]
+    layer_bytes = 3 * E * I * H * 2
+    n_inst = max(2, -(-pool_bytes // layer_bytes))
+    g = torch.Generator().manual_seed(0)
+    insts = []
+    for _ in range(n_inst):
+        insts.append(tuple((torch.randn(E, n, d, generator=g) / d ** 0.5).to(torch.bfloat16)
+                           for n, d in ((I, H), (I, H), (H, I))))
+    print(f"  {shape_name} torch bf16: {layer_bytes / 2**20:.0f} MiB x {n_inst} copies", flush=True)
+
+    def naive(layer, x, ids, w):
+        gate, up, down = layer
+        xt = torch.from_numpy(x).to(torch.bfloat16)
+        idt = torch.from_numpy(ids)
+        wt = torch.from_numpy(w).to(torch.bfloat16)
+        out = torch.zeros_like(xt)
+        for e in torch.unique(idt).tolist():
+            tok, slot = torch.nonzero(idt == e, as_tuple=True)
+            h = F.silu(xt[tok] @ gate[e].T) * (xt[tok] @ up[e].T)
+            out.index_add_(0, tok, (h @ down[e].T) * wt[tok, slot, None])
+        return out
+
+    old = torch.get_num_threads()
+    for nt in threads_list:
+        torch.set_num_threads(nt)
+        rng = np.random.default_rng(1)
+        bw_t = bw.get("2_thread_GBps" if nt >= 2 else "1_thread_GBps") * 1e9
+        for T in Ts:
+            ts, hit = time_calls(naive, insts, T, E, K, H, reps_for(T), rng)
+            tmin, tmed = min(ts), float(np.median(ts))
+            nbytes = float(np.mean(hit)) * layer_bytes / E
+            rows.append({"impl": "torch-bf16", "shape": shape_name, "scheme": "bf16", "threads": nt,
+                         "T": T, "min_us": round(tmin * 1e6, 1), "median_us": round(tmed * 1e6, 1),
+                         "GBps": round(nbytes / tmin / 1e9, 2),
+                         "TOPS": round(2.0 * T * K * 3 * H * I / tmin / 1e12, 3),
+                         "frac_of_floor": round(nbytes / bw_t / tmin, 3)})
+            print(f"    torch bf16 thr={nt} T={T:5d}: min {tmin * 1e3:8.2f} ms  med {tmed * 1e3:8.2f} ms",
+                  flush=True)
+    torch.set_num_threads(old)
+
+
+def write_md(res, path):
+    lines = ["# CPU MoE layer (kt.CPUMoE)", "",
+             f"Host: {res['host']['cpu']} ({res['host']['cpus']} CPUs), variant "
+             f"{res['host']['variant']}. Measured bandwidth: 1 thread {res['bandwidth'].get('1_thread_GBps')}"
+             f" GB/s, 2 threads {res['bandwidth'].get('2_thread_GBps')} GB/s. Peaks: {res['peaks']}.",
+             f"Weights cold: copies totalling {res['pool_gb']} GB; fresh uniform routing per call.", "",
+             "| impl | shape | scheme | kernels | thr | T | min ms | median ms | GB/s | TOPS | % of floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        if r["impl"] == "kt-overhead":
+            continue
+        lines.append(f"| {r['impl']} | {r['shape']} | {r['scheme']} | {r.get('kernels', '-')} | "
+                     f"{r['threads']} | {r['T']} | {r['min_us'] / 1e3:.2f} | {r['median_us'] / 1e3:.2f} | "
+                     f"{r['GBps']} | {r['TOPS']} | {100 * r['frac_of_floor']:.0f} |")
+    lines += ["", "Per-call overhead (T=1, every expert masked as a GPU expert; pool empty-job round trip):", "",
+              "| shape | scheme | thr | masked call min / median µs | pool hand-off min / median / p90 µs |",
+              "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        if r["impl"] == "kt-overhead":
+            h = r["pool_handoff_us"]
+            lines.append(f"| {r['shape']} | {r['scheme']} | {r['threads']} | {r['masked_call_min_us']} / "
+                         f"{r['masked_call_median_us']} | {h['min']} / {h['median']} / {h['p90']} |")
+    for note in res.get("notes", []):
+        lines += ["", note]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="qwen3-30b-a3b")
+    ap.add_argument("--T", default="1,512")
+    ap.add_argument("--schemes", default="int8,int4,bf16")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--pool-gb", type=float, default=2.4)
+    ap.add_argument("--baseline", action="append", default=[], choices=["torch", "kt-kernel"])
+    ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--out", default=str(RESULTS / "moe"))
+    a = ap.parse_args(argv)
+    from bench_gemm import measure_bandwidth, measure_peaks
+
+    shapes = [s for s in a.shapes.split(",") if s]
+    for s in shapes:
+        if s not in SHAPES:
+            ap.error(f"unknown shape {s!r}; known: {sorted(SHAPES)}")
+    Ts = [int(t) for t in a.T.split(",")]
+    threads = [int(t) for t in a.threads.split(",")]
+    schemes = [QuantScheme.parse(s) for s in a.schemes.split(",")]
+    pool_bytes = int(a.pool_gb * 1e9)
+    pin = {"auto": None, "on": True, "off": False}[a.pin]
+    print("measuring bandwidth and peaks ...", flush=True)
+    bw = measure_bandwidth(1.0)
+    peaks = measure_peaks(list(isa.runnable_variants()))
+    print(f"  bandwidth {bw}\n  peaks {peaks}", flush=True)
+    rows = []
+    notes = []
+    for s in shapes:
+        for sch in schemes:
+            bench_kt(s, sch, threads, Ts, pool_bytes, bw, peaks, rows, pin)
+        if "torch" in a.baseline:
+            bench_torch(s, threads, Ts, pool_bytes, bw, rows)
+    if "kt-kernel" in a.baseline:
+        try:
+            import kt_kernel  # noqa: F401
+            notes.append("kt-kernel importable but its side-by-side run is not wired in this script; "
+                         "see ../shared/notes/kt-kernel.md for its figures.")
+        except ImportError as exc:
+            notes.append(f"--baseline kt-kernel skipped: kt_kernel is not installed here ({exc}); "
+                         "reference figures measured on the same machines are in "
+                         "../shared/notes/kt-kernel.md.")
+        print(notes[-1])
+    res = {"host": {"cpu": platform.processor() or isa.detect().host.model_name,
+                    "cpus": len(os.sched_getaffinity(0)), "variant": isa.cpu_variant()},
+           "bandwidth": bw, "peaks": peaks, "pool_gb": a.pool_gb, "rows": rows, "notes": notes}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    write_md(res, out.with_suffix(".md"))
+    print(f"wrote {out.with_suffix('.json')} and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
