@@ -28,6 +28,9 @@ class Agreement:
     top1_match: fraction of positions whose argmax agrees.
     greedy_match: for greedy decoding of ``greedy_steps`` tokens after each prompt, the number
       of leading tokens that agree (the minimum over prompts).
+    greedy_tie_gap: where greedy decoding diverged, the reference's own gap between its top two
+      logits at that step (the largest over diverging prompts; None if none diverged). A gap
+      below max_abs_diff means the divergence is a near-tie the logit error can flip.
     """
 
     mean_kl: float
@@ -37,6 +40,7 @@ class Agreement:
     greedy_match: int
     greedy_steps: int
     positions: int
+    greedy_tie_gap: float | None = None
 
     @property
     def greedy_identical(self) -> bool:
@@ -48,7 +52,9 @@ class Agreement:
     def __str__(self) -> str:
         return (f"mean KL {self.mean_kl:.3e} (max {self.max_kl:.3e}) over {self.positions} tokens, "
                 f"max |dlogit| {self.max_abs_diff:.3e}, top-1 agree {100 * self.top1_match:.1f}%, "
-                f"greedy {self.greedy_match}/{self.greedy_steps} tokens identical")
+                f"greedy {self.greedy_match}/{self.greedy_steps} tokens identical"
+                + (f" (diverged at a top-2 logit gap of {self.greedy_tie_gap:.1e})"
+                   if self.greedy_tie_gap is not None else ""))
 
 
 def random_prompts(vocab_size: int, n: int = 3, length: int = 24, seed: int = 0) -> list[torch.Tensor]:
@@ -96,7 +102,7 @@ def greedy_tokens(model, prompt, steps: int) -> list[int]:
 @torch.no_grad()
 def compare_models(ref_model, test_model, prompts, *, greedy_steps: int = 16) -> Agreement:
     """Run both models on each prompt; see ``Agreement``. Prompts: token ids [S] or [1, S]."""
-    kls, top1, max_diff, greedy = [], [], 0.0, []
+    kls, top1, max_diff, greedy, gaps = [], [], 0.0, [], []
     for p in prompts:
         lr = ref_model(_as_ids(p, _device(ref_model))).logits
         lt = test_model(_as_ids(p, _device(test_model))).logits
@@ -111,8 +117,12 @@ def compare_models(ref_model, test_model, prompts, *, greedy_steps: int = 16) ->
             while same < len(a) and same < len(b) and a[same] == b[same]:
                 same += 1
             greedy.append(same)
+            if same < greedy_steps:
+                ctx = torch.cat([_as_ids(p, "cpu")[0], torch.tensor(a[:same], dtype=torch.long)])
+                top2 = ref_model(ctx[None].to(_device(ref_model))).logits[0, -1].double().topk(2).values
+                gaps.append(float(top2[0] - top2[1]))
     kl = torch.cat(kls)
     return Agreement(mean_kl=float(kl.mean()), max_kl=float(kl.max()), max_abs_diff=max_diff,
                      top1_match=float(torch.cat(top1).mean()),
                      greedy_match=min(greedy) if greedy else 0, greedy_steps=greedy_steps,
-                     positions=int(kl.numel()))
+                     positions=int(kl.numel()), greedy_tie_gap=max(gaps) if gaps else None)
