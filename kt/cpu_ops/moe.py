@@ -328,7 +328,7 @@ class CPUMoE:
         n2 = self.w2.n_pad
         nb13 = n13 // BLOCK_N
         nb2 = n2 // BLOCK_N
-        hacc = -(-max(self.hidden, 1) // 16) * 16 + 16
+        hacc = -(-max(self.hidden, self.intermediate) // 16) * 16 + 16
         bufs = {
             drv.A_POS: pool.scratch("moe.pos", tok_cap * K, np.int32).reshape(tok_cap, K),
             drv.A_OFFS: pool.scratch("moe.offs", E + 1, np.int32),
