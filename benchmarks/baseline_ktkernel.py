@@ -1,0 +1,170 @@
+"""kt vs kt-kernel 0.7.2, side by side in one process, interleaved, on the same shapes and routing.
+
+kt-kernel's extension is driven directly (its KTMoEWrapper wants a CUDA driver for pinned memory),
+as ../shared/notes/kt-kernel.md describes: CPUInfer(threads), moe.MOEConfig(E, K, H, I, 0) with the
+bf16 gate/up/down pointers, AMXInt8_MOE / AMXInt4_MOE / AMXBF16_MOE, load_weights_task, then
+forward_task per call. Each side cycles through its own copies of the layer (cold weights), and
+every call gets fresh uniform routing; kt and kt-kernel calls alternate.
+
+Device use (the cp312 wheel's kt_kernel/ and kt_kernel.libs/ carried under .ktk/):
+    PYTHONPATH=. python3 benchmarks/baseline_ktkernel.py --ktk .ktk --threads 15 --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kt.cpu_ops.moe import CPUMoE  # noqa: E402
+from kt.cpu_ops.pool import CpuPool  # noqa: E402
+
+SCHEMES = {"int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE", "bf16": "AMXBF16_MOE"}
+
+
+def load_ext(root: str, variant: str = "amx"):
+    so = next(Path(root, "kt_kernel").glob(f"_kt_kernel_ext_{variant}.cpython-*.so"))
+    loader = importlib.machinery.ExtensionFileLoader("kt_kernel_ext", str(so))
+    spec = importlib.util.spec_from_file_location("kt_kernel_ext", str(so), loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    sys.modules["kt_kernel_ext"] = mod
+    return mod
+
+
+class KtKernelLayer:
+    def __init__(self, ext, cpuinfer, scheme, gate, up, down, max_len):
+        E, I, H = gate.shape
+        self.keep = (gate, up, down)  # kt-kernel reads these while it quantises
+        self.ext = ext
+        self.cpuinfer = cpuinfer
+        self.E, self.H, self.I = E, H, I
+        self.max_len = max_len
+        self.scheme = scheme
+        self.moe = None
+
+    def build(self, K):
+        ext = self.ext
+        gate, up, down = self.keep
+        cfg = ext.moe.MOEConfig(self.E, K, self.H, self.I, 0)
+        cfg.pool = self.cpuinfer.backend_
+        cfg.max_len = self.max_len
+        cfg.gate_proj = gate.data_ptr()
+        cfg.up_proj = up.data_ptr()
+        cfg.down_proj = down.data_ptr()
+        self.moe = getattr(ext.moe, SCHEMES[self.scheme])(cfg)
+        self.p2l = torch.arange(self.E, dtype=torch.int64)
+        self.cpuinfer.submit(self.moe.load_weights_task(self.p2l.data_ptr()))
+        self.cpuinfer.sync()
+
+    def __call__(self, x, ids, w, out, qlen):
+        self.cpuinfer.submit(self.moe.forward_task(qlen.data_ptr(), ids.shape[1], ids.data_ptr(),
+                                                   w.data_ptr(), x.data_ptr(), out.data_ptr()))
+        self.cpuinfer.sync()
+
+
+def routing(gen, T, E, K):
+    ids = torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K].contiguous()
+    w = torch.rand(T, K, generator=gen)
+    return ids, (w / w.sum(1, keepdim=True)).contiguous()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ktk", default=".ktk")
+    ap.add_argument("--threads", type=int, default=15)
+    ap.add_argument("--shape", default="128,8,2048,768")
+    ap.add_argument("--T", default="1,32,512,2048")
+    ap.add_argument("--schemes", default="int8,int4,bf16")
+    ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    t_start = time.time()
+    E, K, H, I = (int(v) for v in a.shape.split(","))
+    Ts = [int(t) for t in a.T.split(",")]
+    res = {"shape": dict(E=E, K=K, H=H, I=I), "threads": a.threads, "rows": [], "errors": {}}
+    out_path = Path(a.out, "ktkernel_vs_kt.json")
+    try:
+        ext = load_ext(a.ktk)
+        res["ktkernel_variant"] = getattr(ext, "__cpu_variant__", "amx")
+    except Exception:
+        res["errors"]["load"] = traceback.format_exc()
+        out_path.write_text(json.dumps(res, indent=1))
+        print(res["errors"]["load"])
+        return
+    cpuinfer = ext.CPUInfer(a.threads)
+    pool = CpuPool(a.threads)
+    gen = torch.Generator().manual_seed(0)
+    max_len = max(512, -(-max(Ts) // 512) * 512)
+    for scheme in a.schemes.split(","):
+        if time.time() - t_start > a.budget_s:
+            res["errors"][scheme] = "skipped: time budget"
+            continue
+        try:
+            kt_layers, ktk_layers = [], []
+            for c in range(a.copies):
+                g = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(torch.bfloat16).contiguous()
+                u = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(torch.bfloat16).contiguous()
+                d = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(torch.bfloat16).contiguous()
+                kl = KtKernelLayer(ext, cpuinfer, scheme, g, u, d, max_len)
+                kl.build(K)
+                ktk_layers.append(kl)
+                kt_layers.append(CPUMoE.from_tensors(g, u, d, scheme=scheme, pool=pool))
+            print(f"{scheme}: built {a.copies} copies of each side ({time.time() - t_start:.0f} s)",
+                  flush=True)
+            for T in Ts:
+                x = (torch.randn(T, H, generator=gen) * 0.5).to(torch.bfloat16).contiguous()
+                out = torch.empty(T, H, dtype=torch.bfloat16)
+                qlen = torch.tensor([T], dtype=torch.int32)
+                t_kt, t_ktk = [], []
+                for r in range(a.reps + 2):
+                    ids, w = routing(gen, T, E, K)
+                    lk = kt_layers[r % a.copies]
+                    lkk = ktk_layers[r % a.copies]
+                    t0 = time.perf_counter()
+                    y_kt = lk(x, ids, w)
+                    t1 = time.perf_counter()
+                    lkk(x, ids, w, out, qlen)
+                    t2 = time.perf_counter()
+                    if r >= 2:
+                        t_kt.append(t1 - t0)
+                        t_ktk.append(t2 - t1)
+                    if r == 0:  # same weights, same inputs: the two should agree
+                        ref_y = kt_layers[0](x, ids, w).float()
+                        ktk_layers[0](x, ids, w, out, qlen)
+                        den = ref_y.norm().item() or 1.0
+                        agree = (out.float() - ref_y).norm().item() / den
+                row = dict(scheme=scheme, T=T, kt_min_ms=min(t_kt) * 1e3,
+                           kt_med_ms=statistics.median(t_kt) * 1e3,
+                           ktkernel_min_ms=min(t_ktk) * 1e3,
+                           ktkernel_med_ms=statistics.median(t_ktk) * 1e3,
+                           speedup_min=min(t_ktk) / min(t_kt),
+                           speedup_med=statistics.median(t_ktk) / statistics.median(t_kt),
+                           rel_diff_kt_vs_ktkernel=agree)
+                res["rows"].append(row)
+                print(f"{scheme} T={T:5d}: kt {row['kt_min_ms']:8.3f} ms (med {row['kt_med_ms']:8.3f})"
+                      f"  kt-kernel {row['ktkernel_min_ms']:8.3f} ms (med {row['ktkernel_med_ms']:8.3f})"
+                      f"  speedup {row['speedup_min']:.2f}x  rel diff {agree:.3f}", flush=True)
+                out_path.write_text(json.dumps(res, indent=1))
+            del kt_layers, ktk_layers
+        except Exception:
+            res["errors"][scheme] = traceback.format_exc()
+            print(res["errors"][scheme], flush=True)
+        out_path.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
