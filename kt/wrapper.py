@@ -224,9 +224,13 @@ class KTMoEWrapper:
         if on_device:
             import torch
 
-            stream = cuda_stream if cuda_stream is not None else torch.cuda.current_stream(
-                hidden_states.device)
-            with torch.cuda.stream(stream) if hasattr(stream, "cuda_stream") else _null():
+            if cuda_stream is None:
+                stream = torch.cuda.current_stream(hidden_states.device)
+            elif isinstance(cuda_stream, int):  # kt-kernel callers pass the raw handle
+                stream = torch.cuda.ExternalStream(cuda_stream, device=hidden_states.device)
+            else:
+                stream = cuda_stream
+            with torch.cuda.stream(stream):
                 x = self._to_host(hidden_states, "x")
                 ids = self._to_host(topk_ids, "ids")
                 w = self._to_host(topk_weights, "w")
@@ -276,11 +280,3 @@ def _take(a, idx):
 
         return a[torch.as_tensor(idx, device=a.device)]
     return np.asarray(a)[idx]
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
