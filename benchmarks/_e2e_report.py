@@ -137,11 +137,15 @@ def markdown(data: dict) -> str:
                   e.get("status", "")])
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
+    fit = data.get("calibration", {}).get("skew_fit", {})
     lines.append("uniform = the model's own router on random weights; skewed = the same plus a per-layer "
-                 "Zipf bias (alpha %s). GPU experts = share of all L*E experts on the GPU (frequency "
+                 "bias fitted so that expert popularity follows a Zipf law (alpha %s: the top 25 %% of "
+                 "experts take %s of token-slots). GPU experts = share of all L*E experts on the GPU (frequency "
                  "placement from the calibration run). floor ratio = decode step time / (CPU expert bytes "
                  "touched / host read bandwidth + GPU-only step time), and / (CPU MoE alone + GPU-only step "
-                 "time). See docs/performance.md." % meta.get("args", {}).get("zipf_alpha"))
+                 "time). See docs/performance.md." % (meta.get("args", {}).get("zipf_alpha"),
+                                                   fmt(None if "target_top25pct_share" not in fit
+                                                       else 100 * fit["target_top25pct_share"], ".0f") + " %"))
     chk = checks(data)
     if chk:
         lines += ["", "Targets (from the issue), as measured:", ""]

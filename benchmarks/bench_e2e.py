@@ -28,6 +28,7 @@ import time
 _T_START = time.perf_counter()  # the budget counts from process start when run as a script
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -43,7 +44,8 @@ sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
 from _e2e_model import (QWEN3_30B_A3B, TINY, DecodeState, DenseWeights, FusedGPUExperts,  # noqa: E402
-                        HybridExperts, KVCache, Model, TorchExperts, make_expert_sets, zipf_router_bias)
+                        HybridExperts, KVCache, Model, TorchExperts, make_expert_sets, zipf_log_rank,
+                        zipf_top_share)
 from _e2e_report import (JSON_NAME, MD_NAME, PLOT_DECODE, PLOT_PREFILL, RunConfig, checks,  # noqa: E402,F401
                          make_plots, markdown, parse_config)
 from kt.config import QuantScheme  # noqa: E402
@@ -306,10 +308,49 @@ class Ctx:
     def set_routing(self, routing: str) -> None:
         if routing == "skewed":
             if self.bias is None:
-                self.bias = zipf_router_bias(self.cfg, self.args.zipf_alpha, self.device, self.args.seed)
+                self.fit_skew()
             self.model.router_bias = self.bias
         else:
             self.model.router_bias = None
+
+    def fit_skew(self) -> None:
+        """The skewed router's bias: scale[l] * -ln(rank) per layer, with scale[l] bisected over
+        --skew-fit-iters calibration prefills so that in every layer the top 25 % of experts take
+        the share of token-slots a Zipf(alpha) popularity gives them (75 % at alpha 1, E = 128).
+        Fitted rather than set: with top-K routing, a bias of exactly -alpha*ln(rank) concentrates
+        the load far beyond Zipf (95 % at alpha 1), since each token takes its K best experts."""
+        from kt.placement import ExpertStats
+
+        cfg, model, args = self.cfg, self.model, self.args
+        log_rank = zipf_log_rank(cfg, self.device, args.seed)
+        target = zipf_top_share(cfg.num_experts, args.zipf_alpha)
+        q = max(1, cfg.num_experts // 4)
+        lo = torch.zeros(cfg.num_layers, device=self.device)
+        hi = torch.full((cfg.num_layers,), 8.0, device=self.device)
+        saved = model.router_bias
+        t0 = time.perf_counter()
+        try:
+            for _ in range(args.skew_fit_iters):
+                mid = (lo + hi) / 2
+                model.router_bias = mid[:, None] * log_rank
+                stats = ExpertStats(cfg.num_layers, cfg.num_experts)
+                model.stats = stats
+                model.prefill(self.calib_tokens[None])
+                c = stats.counts
+                share = torch.from_numpy(-np.sort(-c, axis=1)[:, :q].sum(axis=1) / c.sum(axis=1)).to(lo)
+                lo = torch.where(share < target, mid, lo)
+                hi = torch.where(share < target, hi, mid)
+        finally:
+            model.stats = None
+            model.router_bias = saved
+        scale = (lo + hi) / 2
+        self.bias = scale[:, None] * log_rank
+        self.results.data["calibration"]["skew_fit"] = dict(
+            zipf_alpha=args.zipf_alpha, target_top25pct_share=target, iterations=args.skew_fit_iters,
+            scale_min=float(scale.min()), scale_mean=float(scale.mean()), scale_max=float(scale.max()),
+            experts_backend=model.experts.kind, seconds=time.perf_counter() - t0)
+        self.log(f"skewed router fitted: scale {float(scale.mean()):.2f} (target: top-25% experts take "
+                 f"{target:.0%})")
 
     def calibrate(self, routing: str) -> None:
         """Record the router's choices on --calib-tokens tokens with the current experts."""
@@ -328,15 +369,24 @@ class Ctx:
             model.stats = None
             model.router_bias = saved_bias
         c = stats.counts
-        srt = -np.sort(-c, axis=1)
         q = max(1, cfg.num_experts // 4)
+        srt = -np.sort(-c, axis=1)
+        # the same statistic for truly uniform routing of as many tokens (sampling noise alone)
+        rng = np.random.default_rng(0)
+        t = int(self.calib_tokens.numel())
+        u = np.stack([np.bincount(np.argsort(rng.random((t, cfg.num_experts)), axis=1)[:, :cfg.top_k].ravel(),
+                                  minlength=cfg.num_experts) for _ in range(4)])
+        us = -np.sort(-u, axis=1)
         info = dict(tokens=int(self.calib_tokens.numel()), experts_backend=model.experts.kind,
                     seconds=time.perf_counter() - t0,
                     top25pct_experts_share=float(srt[:, :q].sum() / c.sum()),
+                    top25pct_experts_share_max_layer=float((srt[:, :q].sum(axis=1) / c.sum(axis=1)).max()),
+                    top25pct_experts_share_if_uniform=float(us[:, :q].sum() / us.sum()),
                     top1_expert_share_mean=float((srt[:, 0] / c.sum(axis=1)).mean()))
         self.results.data["calibration"][routing] = info
         self.stats[routing] = stats
-        self.log(f"calibrated {routing}: top-25% experts take {info['top25pct_experts_share']:.1%} of token-slots")
+        self.log(f"calibrated {routing}: top-25% experts take {info['top25pct_experts_share']:.1%} of token-slots "
+                 f"(uniform routing: {info['top25pct_experts_share_if_uniform']:.1%})")
 
     def ensure_stats(self, routing: str) -> None:
         if routing in self.stats:
@@ -775,10 +825,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gen-threads", type=int, default=None, help="threads generating weights (default: cores)")
     ap.add_argument("--gpu-dtype", default="bf16", choices=["bf16", "int8"], help="hybrid GPU slot dtype")
     ap.add_argument("--int4-group", type=int, default=64)
-    ap.add_argument("--zipf-alpha", type=float, default=1.0)
+    ap.add_argument("--zipf-alpha", type=float, default=1.0,
+                    help="skewed routing: expert popularity fitted to 1/rank**alpha")
+    ap.add_argument("--skew-fit-iters", type=int, default=7,
+                    help="bisection steps (calibration prefills) fitting the skewed router")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly even on a GPU")
     ap.add_argument("--skip-overlap", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", choices=["qwen3-30b-a3b", "tiny"], default=None,
+                    help="model shape (default: qwen3-30b-a3b, tiny with --dry-run)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only this many layers (quick checks)")
     ap.add_argument("--replot", metavar="JSON", default=None,
                     help="only redraw e2e.md and the plots into --out from an existing e2e.json")
     return ap
@@ -832,7 +888,9 @@ def run(args, cpu_kernels: dict | None = None) -> dict:
     if not dry and not torch.cuda.is_available():
         raise SystemExit("bench_e2e: no CUDA device; use --dry-run for the CPU check")
     device = torch.device("cpu" if dry else "cuda")
-    cfg = TINY if dry else QWEN3_30B_A3B
+    cfg = {"tiny": TINY, "qwen3-30b-a3b": QWEN3_30B_A3B}[args.model or ("tiny" if dry else "qwen3-30b-a3b")]
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers, name=f"{cfg.name} ({args.layers} layers)")
     meta = dict(model=cfg.as_dict(), dry_run=dry, args={k: v for k, v in vars(args).items()},
                 device=torch.cuda.get_device_name(0) if not dry else "cpu (dry run)",
                 torch=torch.__version__, threads=args.threads, cpu_count=os.cpu_count(),

@@ -140,8 +140,13 @@ def test_dry_run_end_to_end(tmp_path):
     g = by["gpu25_int8_skewed_d0"]
     assert g["gpu_experts"] == int(0.25 * 2 * 8) and g["placement_applied"] is False
     assert 0.25 <= g["gpu_hit_share_calibration"] <= 1.0
-    assert set(on_disk["calibration"]) == {"uniform", "skewed"}
-    assert on_disk["calibration"]["skewed"]["top25pct_experts_share"] > 0.25
+    cal = on_disk["calibration"]
+    assert set(cal) == {"uniform", "skewed", "skew_fit"}
+    # the skewed router was fitted to a Zipf(1) popularity: the top 2 of 8 experts take
+    # H(2)/H(8) = 55 % of token-slots (64 slots here, 7 bisection steps: within 0.1)
+    assert abs(cal["skew_fit"]["target_top25pct_share"] - 1.5 / (1 + 1 / 2 + 1 / 3 + 1 / 4 + 1 / 5 + 1 / 6 + 1 / 7 + 1 / 8)) < 1e-9
+    assert abs(cal["skewed"]["top25pct_experts_share"] - cal["skew_fit"]["target_top25pct_share"]) < 0.1
+    assert cal["uniform"]["top25pct_experts_share"] < cal["skewed"]["top25pct_experts_share"]
     # correctness vs the bf16 reference on the same weights: int8 activations cost little
     c = g["correctness"]
     assert c["positions"] == 8 and c["rel_err_mean"] < 0.05 and c["top1_agree"] >= 0.75, c
