@@ -18,7 +18,8 @@ skipped. ``--hard-limit-s`` (device runs only) ends the process, results written
 hangs. Names: ``gpu100_bf16_<routing>`` (every expert on the GPU, kt.gpu_ops.fused_moe) and
 ``cpu0_<scheme>_<routing>_d<d>`` / ``gpu<pct>_<scheme>_<routing>_d<d>`` (HybridMoE, ``pct`` % of all
 experts on the GPU by frequency placement, d deferred experts per token); routing ``uniform`` is the
-model's own router on random weights (close to uniform), ``skewed`` adds a Zipf-law bias per layer.
+model's own router on random weights (close to uniform), ``skewed`` adds a per-layer bias fitted so
+that expert popularity follows a Zipf law.
 docs/performance.md says what each figure means.
 """
 from __future__ import annotations

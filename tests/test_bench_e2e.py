@@ -165,6 +165,20 @@ def test_dry_run_end_to_end(tmp_path):
     assert (again / bench_e2e.PLOT_DECODE).stat().st_size > 0
 
 
+def test_placement_without_the_all_gpu_run_calibrates_on_the_cpu(tmp_path):
+    """No gpu100 run to record statistics with: the calibration (and the skew fit) run with every
+    expert on the CPU, and the placement is planned from them."""
+    args = bench_e2e.build_parser().parse_args(
+        ["--dry-run", "--out", str(tmp_path), "--configs", "gpu50_int8_skewed_d0", "--decode-batches", "1",
+         "--prefill-configs", "", "--min-step-s", "0", "--skip-overlap"])
+    data = bench_e2e.run(args, cpu_kernels=_kernels_for_host())
+    (e,) = data["configs"]
+    assert e["status"] == "ok", e.get("error")
+    assert data["calibration"]["skewed"]["experts_backend"] == "hybrid"
+    assert data["calibration"]["skew_fit"]["experts_backend"] == "hybrid"
+    assert e["gpu_experts"] == 8 and e["correctness"].startswith("n/a")
+
+
 def test_budget_skips_and_records(tmp_path):
     """A budget that is used up at once: every configuration is recorded as skipped, files written."""
     out = tmp_path / "e2e"
