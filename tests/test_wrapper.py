@@ -103,3 +103,31 @@ def test_errors():
         w.sync_forward(x)
     with pytest.raises(ValueError, match="topk_ids must be in"):
         w.forward(x, ids + E, tw)
+
+
+def test_load_weights_from_kt_format(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "weights"))
+    from _checkpoints import small_checkpoint
+
+    from kt.cpu_ops.moe import CPUMoE
+    from kt.weights import convert
+
+    src, refs = small_checkpoint(tmp_path, n_layers=2, n_e=E, hidden=H, inter=I)
+    out = tmp_path / "kt"
+    convert(src, out, "int8", 64, progress=False, threads=2)
+    w = KTMoEWrapper(1, E, K, H, I, None, 2, 1, str(out), 512, method="AMXINT8")
+    w.load_weights(torch.arange(E))
+    w13, w2 = refs[1]
+    t = KTMoEWrapper(1, E, K, H, I, None, 2, 1, None, 512, method="AMXINT8")
+    t.load_weights_from_tensors(torch.from_numpy(w13[:, :I]), torch.from_numpy(w13[:, I:]),
+                                torch.from_numpy(w2), None)
+    x, ids, tw = _inputs(4, seed=9)
+    # the converter quantises exactly as reference.quantize: same packed weights, same output
+    assert torch.equal(w.forward(x, ids, tw), t.forward(x, ids, tw))
+    m = CPUMoE.from_kt(out, 1, pool=w.pool)
+    assert torch.equal(m(x, ids, tw.float()), w.forward(x, ids, tw))
+    with pytest.raises(ValueError, match="is int8, but method='BF16'"):
+        KTMoEWrapper(1, E, K, H, I, None, 2, 1, str(out), 512, method="BF16").load_weights()
