@@ -244,6 +244,9 @@ class CPUMoE:
         code = _SCHEME_CODE[self.scheme]
         self._kaddr = (drv.kernel_address(kv, code), drv.kernel_address(km, code))
         self.gemv_max = gemv_max if gemv_max is not None else gemv_max_rows(self.scheme, self.variant)
+        # 16-row blocks per (expert, rows) task of the gate+up and down phases; 0 = the driver's
+        # heuristic (_moe_driver._blocks_per_task). A tuning knob, not needed for correctness.
+        self.blocks_per_task = (0, 0)
         self._all_cpu = np.ones(E, np.uint8)
         self._wdesc = self._weight_desc()
         self._tmpl: dict = {}
@@ -448,8 +451,7 @@ class CPUMoE:
             desc[drv.S_GS13] = self.w13.group_size
             desc[drv.S_GS2] = self.w2.group_size
             desc[drv.S_NCHUNK] = nch
-            desc[drv.S_BPT13] = 0
-            desc[drv.S_BPT2] = 0
+            desc[drv.S_BPT13], desc[drv.S_BPT2] = self.blocks_per_task
             desc[drv.D_KV13] = desc[drv.D_KV2] = self._kaddr[0]
             desc[drv.D_KM13] = desc[drv.D_KM2] = self._kaddr[1]
             desc[drv.S_SCHEME] = _SCHEME_CODE[self.scheme]
