@@ -72,19 +72,41 @@ def unpack_on_device(p: PackedWeight, data: torch.Tensor, scale: torch.Tensor | 
     return w[:, :n, :d].to(torch.bfloat16).contiguous(), None
 
 
+_PINNED: set = set()
+_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+_CU_MEMHOSTREGISTER_READ_ONLY = 0x08
+
+
 def pin_host_array(a: np.ndarray) -> bool:
-    """Page-lock a numpy array's memory for fast DMA (cudaHostRegister); False if refused."""
+    """Page-lock a numpy array's memory for fast DMA; False if the driver refuses.
+
+    Uses the driver API (cuMemHostRegister), whose errors do not linger in the runtime's
+    last-error state the way cudaHostRegister's do (torch would raise them at its next launch).
+    The range is widened to whole pages; pages already locked (another array sharing a page, or
+    an earlier call) count as locked.
+    """
+    import ctypes
+
     if a.nbytes == 0:
         return False
-    cudart = torch.cuda.cudart()
-    for flags in (0, 8):  # default; read-only (file mappings opened read-only)
-        try:
-            err = cudart.cudaHostRegister(a.ctypes.data, a.nbytes, flags)
-        except Exception:
-            return False
-        if int(err) == 0:
+    page = 4096
+    start = a.ctypes.data // page * page
+    end = -(-(a.ctypes.data + a.nbytes) // page) * page
+    key = (start, end)
+    if key in _PINNED:
+        return True
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        reg = lib.cuMemHostRegister_v2
+    except (OSError, AttributeError):
+        return False
+    reg.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    reg.restype = ctypes.c_int
+    for flags in (0, _CU_MEMHOSTREGISTER_READ_ONLY):  # read-only: file mappings opened read-only
+        rc = reg(ctypes.c_void_p(start), end - start, flags)
+        if rc in (0, _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
+            _PINNED.add(key)
             return True
-    torch.cuda.synchronize()  # clear nothing: a failed register leaves no sticky error
     return False
 
 
