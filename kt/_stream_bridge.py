@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,8 +68,11 @@ class _Service:
             try:
                 ch.signal.wait_start()
                 t = job.t
+                t0 = time.perf_counter()
                 job.bridge.cpu(ch.h_x[:t], ch.h_ids[:t], ch.h_w[:t], gpu_mask=job.gpu_mask,
                                out=ch.h_out[:t])
+                if job.bridge.on_cpu_time is not None:
+                    job.bridge.on_cpu_time(t, ch.h_ids.shape[1], time.perf_counter() - t0)
             except BaseException as exc:  # keep the stream from hanging; report at the next call
                 self.errors.append(exc)
                 try:
@@ -96,6 +100,7 @@ class StreamBridge:
         from .gpu_ops.stream_sync import CpuSignal
 
         self.cpu = cpu_moe
+        self.on_cpu_time = None  # callable(t, k, seconds), called from the service thread
         self.device = torch.device(device)
         self.channels = {name: _Channel(CpuSignal(mode, self.device)) for name in ("now", "deferred")}
 
