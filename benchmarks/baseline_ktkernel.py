@@ -90,13 +90,15 @@ def main():
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--side", default="both", choices=["both", "kt", "ktkernel"],
+                    help="one side alone: no spinning threads of the other library in the process")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     t_start = time.time()
     E, K, H, I = (int(v) for v in a.shape.split(","))
     Ts = [int(t) for t in a.T.split(",")]
     res = {"shape": dict(E=E, K=K, H=H, I=I), "threads": a.threads, "rows": [], "errors": {}}
-    out_path = Path(a.out, "ktkernel_vs_kt.json")
+    out_path = Path(a.out, f"ktkernel_vs_kt_{a.side}.json")
     try:
         ext = load_ext(a.ktk)
         res["ktkernel_variant"] = getattr(ext, "__cpu_variant__", "amx")
@@ -105,8 +107,8 @@ def main():
         out_path.write_text(json.dumps(res, indent=1))
         print(res["errors"]["load"])
         return
-    cpuinfer = ext.CPUInfer(a.threads)
-    pool = CpuPool(a.threads)
+    cpuinfer = ext.CPUInfer(a.threads) if a.side != "kt" else None
+    pool = CpuPool(a.threads) if a.side != "ktkernel" else None
     gen = torch.Generator().manual_seed(0)
     max_len = max(512, -(-max(Ts) // 512) * 512)
     for scheme in a.schemes.split(","):
@@ -119,10 +121,12 @@ def main():
                 g = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(torch.bfloat16).contiguous()
                 u = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(torch.bfloat16).contiguous()
                 d = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(torch.bfloat16).contiguous()
-                kl = KtKernelLayer(ext, cpuinfer, scheme, g, u, d, max_len)
-                kl.build(K)
-                ktk_layers.append(kl)
-                kt_layers.append(CPUMoE.from_tensors(g, u, d, scheme=scheme, pool=pool))
+                if a.side != "kt":
+                    kl = KtKernelLayer(ext, cpuinfer, scheme, g, u, d, max_len)
+                    kl.build(K)
+                    ktk_layers.append(kl)
+                if a.side != "ktkernel":
+                    kt_layers.append(CPUMoE.from_tensors(g, u, d, scheme=scheme, pool=pool))
             print(f"{scheme}: built {a.copies} copies of each side ({time.time() - t_start:.0f} s)",
                   flush=True)
             for T in Ts:
@@ -130,29 +134,30 @@ def main():
                 out = torch.empty(T, H, dtype=torch.bfloat16)
                 qlen = torch.tensor([T], dtype=torch.int32)
                 t_kt, t_ktk = [], []
+                agree = float("nan")
                 for r in range(a.reps + 2):
                     ids, w = routing(gen, T, E, K)
-                    lk = kt_layers[r % a.copies]
-                    lkk = ktk_layers[r % a.copies]
                     t0 = time.perf_counter()
-                    y_kt = lk(x, ids, w)
+                    if kt_layers:
+                        kt_layers[r % a.copies](x, ids, w)
                     t1 = time.perf_counter()
-                    lkk(x, ids, w, out, qlen)
+                    if ktk_layers:
+                        ktk_layers[r % a.copies](x, ids, w, out, qlen)
                     t2 = time.perf_counter()
                     if r >= 2:
                         t_kt.append(t1 - t0)
                         t_ktk.append(t2 - t1)
-                    if r == 0:  # same weights, same inputs: the two should agree
+                    if r == 0 and kt_layers and ktk_layers:  # same weights and inputs: should agree
                         ref_y = kt_layers[0](x, ids, w).float()
                         ktk_layers[0](x, ids, w, out, qlen)
                         den = ref_y.norm().item() or 1.0
                         agree = (out.float() - ref_y).norm().item() / den
-                row = dict(scheme=scheme, T=T, kt_min_ms=min(t_kt) * 1e3,
+                row = dict(scheme=scheme, T=T, side=a.side, kt_min_ms=min(t_kt) * 1e3,
                            kt_med_ms=statistics.median(t_kt) * 1e3,
                            ktkernel_min_ms=min(t_ktk) * 1e3,
                            ktkernel_med_ms=statistics.median(t_ktk) * 1e3,
-                           speedup_min=min(t_ktk) / min(t_kt),
-                           speedup_med=statistics.median(t_ktk) / statistics.median(t_kt),
+                           speedup_min=min(t_ktk) / max(min(t_kt), 1e-9),
+                           speedup_med=statistics.median(t_ktk) / max(statistics.median(t_kt), 1e-9),
                            rel_diff_kt_vs_ktkernel=agree)
                 res["rows"].append(row)
                 print(f"{scheme} T={T:5d}: kt {row['kt_min_ms']:8.3f} ms (med {row['kt_med_ms']:8.3f})"

@@ -122,44 +122,54 @@ def section_graph(cpu, dev, res):
     from kt.hybrid import DeferredChain
 
     out = {}
-    for d in (0, 1):
-        chain = DeferredChain() if d else None
-        layers = [HybridMoE(cpu, placement_row(0.25, E, 10 + i), device=dev,
-                            max_deferred_experts_per_token=d, chain=chain, is_last_layer=(i == 3))
-                  for i in range(4)]
-        gen = torch.Generator().manual_seed(3)
-        routes = [routing(1, E, K, gen, dev) for _ in range(4)]
-        x_static = (torch.randn(1, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
-
-        def step():
-            h = x_static
-            for layer, (ids, w) in zip(layers, routes):
-                h = h + layer(h, ids, w)
-            return h
-
-        eager = step().clone()
-        torch.cuda.synchronize()
-        runner = GraphRunner()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # warm on the side stream
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        with runner.capture():
-            y = step()
-        same = True
-        t0 = time.perf_counter()
-        n = 50
-        for _ in range(n):
-            runner.replay()
-            torch.cuda.synchronize()
-            same &= bool(torch.equal(y, eager))
-        per = (time.perf_counter() - t0) / n
-        eager_t = timed(step, 10)
-        out[f"deferred_{d}"] = dict(bit_identical=same, replay_ms=per * 1e3, eager_min_ms=eager_t[0] * 1e3)
-        print(f"graph d={d}: identical={same} replay {per*1e3:.3f} ms eager {eager_t[0]*1e3:.3f} ms", flush=True)
+    for frac in (0.0, 0.25):
+        for t in (1, 8):
+            for d in (0, 1):
+                key = f"gpu{int(frac * 100)}_T{t}_d{d}"
+                try:
+                    out[key] = _graph_case(cpu, dev, frac, t, d, GraphRunner, DeferredChain)
+                except Exception:
+                    out[key] = {"error": traceback.format_exc()}
+                print(f"graph {key}: {out[key]}", flush=True)
     res["graph"] = out
+
+
+def _graph_case(cpu, dev, frac, t, d, GraphRunner, DeferredChain):
+    chain = DeferredChain() if d else None
+    layers = [HybridMoE(cpu, placement_row(frac, E, 10 + i), device=dev,
+                        max_deferred_experts_per_token=d, chain=chain, is_last_layer=(i == 3))
+              for i in range(4)]
+    gen = torch.Generator().manual_seed(3)
+    routes = [routing(t, E, K, gen, dev) for _ in range(4)]
+    x_static = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+
+    def step():
+        h = x_static
+        for layer, (ids, w) in zip(layers, routes):
+            h = h + layer(h, ids, w)
+        return h
+
+    eager = step().clone()
+    torch.cuda.synchronize()
+    runner = GraphRunner()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm on the side stream
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    with runner.capture():
+        y = step()
+    same = True
+    t0 = time.perf_counter()
+    n = 30
+    for _ in range(n):
+        runner.replay()
+        torch.cuda.synchronize()
+        same &= bool(torch.equal(y, eager))
+    per = (time.perf_counter() - t0) / n
+    eager_t = timed(step, 8)
+    return dict(bit_identical=same, replay_ms=per * 1e3, eager_min_ms=eager_t[0] * 1e3)
 
 
 def section_concurrency(cpu, dev, res):
