@@ -25,7 +25,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, register_jitable
 
 __all__ = [
-    "install_cache", "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
+    "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
     "tileloadd64", "tilestored64", "tdpbssd", "tdpbsud", "tdpbf16ps",
     "row16_scale_store", "row16_fma", "row16_mul_store", "copy64", "unpack_int4_line", "prefetch_l1",
 ]
@@ -74,21 +74,6 @@ def require_amx() -> str:
     raise isa.UnsupportedVariantError(
         f"AMX kernels cannot run in this process: {why} "
         f"(CPU {host.model_name or host.cpu_name}); use a lower variant from kt.cpu_ops.registry")
-
-
-def install_cache() -> None:
-    """``cache.install()``, tolerating numba 0.68's rename of ``caching._CacheImpl``.
-
-    cache.py (not this module's to edit) names ``caching._CacheImpl``, which numba 0.68 calls
-    ``CacheImpl``; alias it so kt's cache locator is registered. Drop once cache.py is fixed.
-    """
-    from numba.core import caching
-
-    from . import cache
-
-    if not hasattr(caching, "_CacheImpl") and hasattr(caching, "CacheImpl"):
-        caching._CacheImpl = caching.CacheImpl
-    cache.install()
 
 
 # ----------------------------------------------------------------------------- helpers

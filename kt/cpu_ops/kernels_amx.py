@@ -35,12 +35,13 @@ runnable (hardware and arch_prctl permission), so no AMX code is compiled or run
 import numpy as np
 from numba import njit
 
-from ._amx import (copy64, install_cache, ldtilecfg, prefetch_l1, require_amx, row16_fma,
+from . import cache
+from ._amx import (copy64, ldtilecfg, prefetch_l1, require_amx, row16_fma,
                    row16_mul_store, row16_scale_store, set_tilecfg, tdpbf16ps, tdpbssd, tilezero,
                    tileloadd64, tilerelease, tilestored64, unpack_int4_line)
 
 AMX_MODE = require_amx()
-install_cache()  # cache.install(), see _amx.install_cache
+cache.install()
 
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",

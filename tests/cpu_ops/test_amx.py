@@ -404,7 +404,6 @@ def emulated_kernels(monkeypatch):
 
     monkeypatch.setattr(numba, "njit", lambda *a, **k: (lambda f: f))
     monkeypatch.setattr(_amx, "require_amx", lambda: "emulated")
-    monkeypatch.setattr(_amx, "install_cache", lambda: None)
     path = importlib.util.find_spec("kt.cpu_ops.kernels_amx").origin
     spec = importlib.util.spec_from_file_location("kt.cpu_ops._kernels_amx_emulated", path)
     mod = importlib.util.module_from_spec(spec)
