@@ -35,36 +35,11 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def _parse_cpulist(text: str) -> list[int]:
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        a, _, b = part.partition("-")
-        cpus.extend(range(int(a), int(b or a) + 1))
-    return cpus
-
-
 def numa_nodes(root: str = "/sys/devices/system/node") -> list[dict]:
     """[{node, cpus, mem_total}] from sysfs; one node with all CPUs when sysfs has none."""
-    nodes = []
-    base = Path(root)
-    for d in sorted(base.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
-        try:
-            cpus = _parse_cpulist((d / "cpulist").read_text())
-        except OSError:
-            continue
-        mem = None
-        try:
-            for line in (d / "meminfo").read_text().splitlines():
-                if "MemTotal" in line:
-                    mem = int(line.split()[-2]) * 1024
-        except OSError:
-            pass
-        nodes.append({"node": int(d.name[4:]), "cpus": cpus, "mem_total": mem})
-    if not nodes:
-        nodes.append({"node": 0, "cpus": sorted(os.sched_getaffinity(0)), "mem_total": None})
-    return nodes
+    from .._sysinfo import numa_topology
+
+    return numa_topology(root)
 
 
 def _gpu_info() -> dict:

@@ -40,6 +40,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from llvmlite import ir
 
+from .._sysinfo import numa_topology
+
 from . import cache as _cache
 
 _cache.install()
@@ -287,32 +289,15 @@ def _worker_loop(ctrl, jctrl, desc, nth, last, spin_iters):
 
 # ----------------------------------------------------------------------------- topology
 
-def _parse_cpulist(text: str) -> list[int]:
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        if "-" in part:
-            a, b = part.split("-")
-            cpus.extend(range(int(a), int(b) + 1))
-        else:
-            cpus.append(int(part))
-    return cpus
-
-
 def numa_nodes(allowed: set[int] | None = None) -> dict[int, list[int]]:
     """NUMA node -> CPUs of this process's affinity set on it (one node 0 when sysfs is absent)."""
     if allowed is None:
         allowed = set(os.sched_getaffinity(0))
     nodes: dict[int, list[int]] = {}
-    base = Path("/sys/devices/system/node")
-    try:
-        for d in sorted(base.glob("node[0-9]*")):
-            cpus = [c for c in _parse_cpulist((d / "cpulist").read_text()) if c in allowed]
-            if cpus:
-                nodes[int(d.name[4:])] = cpus
-    except (OSError, ValueError):
-        nodes = {}
+    for n in numa_topology():
+        cpus = [c for c in n["cpus"] if c in allowed]
+        if cpus:
+            nodes[n["node"]] = cpus
     if not nodes:
         nodes = {0: sorted(allowed)}
     return nodes
