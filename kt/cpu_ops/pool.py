@@ -32,7 +32,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from numba import njit, types
