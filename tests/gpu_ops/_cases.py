@@ -1,4 +1,4 @@
-"""Kernel cases for test_moe.py: each runs fused_moe on `device` and asserts against kt.reference.
+"""Kernel cases for test_fused_moe.py: each runs fused_moe on `device` and asserts against kt.reference.
 
 They run in the Triton-interpreter worker process on the CPU (see conftest.py), so they take plain,
 picklable arguments and raise AssertionError on failure.
