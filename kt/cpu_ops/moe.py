@@ -297,6 +297,17 @@ class CPUMoE:
         return p
 
     @property
+    def owns_default_pool(self) -> bool:
+        """True when no pool was given: calls run on ``default_pool()``."""
+        return self._pool is None
+
+    def use_pool(self, pool: CpuPool) -> None:
+        """Run later calls on ``pool`` (scratch buffers belong to the pool, so no state moves)."""
+        if not isinstance(pool, CpuPool):
+            raise TypeError(f"pool must be a CpuPool, got {type(pool).__name__}")
+        self._pool = pool
+
+    @property
     def nbytes(self) -> int:
         return self.w13.nbytes + self.w2.nbytes
 
