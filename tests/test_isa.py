@@ -105,3 +105,17 @@ def test_import_kt_compiles_nothing():
 def test_debug_logging(capfd):
     r = _run("import kt; kt.cpu_variant()", KT_DEBUG="1")
     assert "kt ISA detection" in r.stderr
+
+
+def test_registry_prefers_the_measured_faster_decode_kernels_on_amx_hosts():
+    """On AMX hosts INT8/INT4 decode (gemv) uses the VNNI kernels (measured faster on the device),
+    BF16 decode and every large-M GEMM use AMX; lower hosts fall back by variant."""
+    from kt.cpu_ops import registry
+
+    pick = {(op, s): registry.lookup(op, s, "amx").variant
+            for op in ("gemv", "gemm") for s in ("int8", "int4", "bf16")}
+    assert pick[("gemv", "int8")] == pick[("gemv", "int4")] == "avx512_vnni"
+    assert pick[("gemv", "bf16")] == "amx"
+    assert all(pick[("gemm", s)] == "amx" for s in ("int8", "int4", "bf16"))
+    assert registry.lookup("gemv", "int8", "avx2").variant == "avx2"
+    assert registry.lookup("gemm", "bf16", "avx512_vnni").variant == "avx2"

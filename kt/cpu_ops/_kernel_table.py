@@ -19,9 +19,12 @@ register("gemv", S.BF16, "amx", f"{_M}.kernels_amx:gemv_bf16")
 register("gemm", S.BF16, "amx", f"{_M}.kernels_amx:gemm_bf16")
 
 # AVX-512 (kernels_avx512.py): INT8 / INT4 need VNNI (vpdpbusd), BF16 needs AVX512_BF16.
-register("gemv", S.INT8, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int8")
+# Decode: on the AMX Xeon (14 threads, qwen3-30b-a3b layer, benchmarks/results/
+# decode_variants_device.json) the VNNI gemv beat the AMX gemv: INT8 T=1 0.35 vs 0.43 ms, INT4 T=1
+# 0.21 vs 0.32 ms (BF16: AMX 0.79 vs 0.86 ms), so it is preferred where both run.
+register("gemv", S.INT8, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int8", priority=1)
 register("gemm", S.INT8, "avx512_vnni", f"{_M}.kernels_avx512:gemm_int8")
-register("gemv", S.INT4, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int4")
+register("gemv", S.INT4, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int4", priority=1)
 register("gemm", S.INT4, "avx512_vnni", f"{_M}.kernels_avx512:gemm_int4")
 register("gemv", S.BF16, "avx512_bf16", f"{_M}.kernels_avx512:gemv_bf16")
 register("gemm", S.BF16, "avx512_bf16", f"{_M}.kernels_avx512:gemm_bf16")

@@ -55,7 +55,8 @@ def _kernel_pair(scheme: QuantScheme, variant: str | None):
             f"{variant!r}; registered: {[(i.op, i.scheme.value, i.variant) for i in registry.registered()]}")
     kv = (gemv or gemm).load()
     km = (gemm or gemv).load()
-    return kv, km, (gemv or gemm).variant
+    # the gemv/gemm switch follows the large-M kernel's family (gemv may come from a lower ISA)
+    return kv, km, (gemm or gemv).variant
 
 
 # ----------------------------------------------------------------------------- input handling

@@ -50,7 +50,9 @@ def candidates(op: str, scheme: QuantScheme, variant: str | None = None) -> list
     variant = variant or isa.cpu_variant()
     allowed = isa.variants_at_or_below(variant)
     impls = [i for i in _TABLE.get((op, scheme), []) if i.variant in allowed]
-    return sorted(impls, key=lambda i: (isa.variant_rank(i.variant), -i.priority))
+    # A higher priority wins over a better variant: an entry may be measured faster than the
+    # kernels of a newer ISA for its op (see _kernel_table.py).
+    return sorted(impls, key=lambda i: (-i.priority, isa.variant_rank(i.variant)))
 
 
 def lookup(op: str, scheme: QuantScheme | str, variant: str | None = None) -> KernelImpl:
