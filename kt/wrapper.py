@@ -93,11 +93,11 @@ class KTMoEWrapper:
         self.weight_path = weight_path
         self.cpu_save = bool(cpu_save)  # kt-kernel: keep converted weights; kt's format is on disk
         self.numa_nodes = numa_nodes
-        if max_deferred_experts_per_token not in (None, 0):
-            raise NotImplementedError(
-                "KTMoEWrapper: max_deferred_experts_per_token > 0 (deferred experts) is handled by "
-                "kt.HybridMoE, not by the per-layer wrapper; pass None or 0")
-        self.max_deferred_experts_per_token = max_deferred_experts_per_token
+        d = 0 if max_deferred_experts_per_token is None else max_deferred_experts_per_token
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 0 <= d < self.num_experts_per_tok:
+            raise ValueError(f"max_deferred_experts_per_token must be an int in [0, num_experts_per_tok="
+                             f"{self.num_experts_per_tok}), got {max_deferred_experts_per_token!r}")
+        self.max_deferred_experts_per_token = int(d)
         if not isinstance(method, str):
             raise TypeError(f"method must be a str, got {type(method).__name__}")
         key = method.strip().upper()
@@ -239,16 +239,44 @@ class KTMoEWrapper:
             x, ids, w = hidden_states, topk_ids, topk_weights
         if hasattr(w, "dtype") and str(w.dtype) == "torch.bfloat16":
             w = w.float()
-        self._pending = (moe.submit(x, ids, w, gpu_mask=self._mask_arg), hidden_states)
+        later = None
+        if self.max_deferred_experts_per_token:
+            ids, later = self._split_deferred(ids, w)
+        self._pending = (moe.submit(x, ids, w, gpu_mask=self._mask_arg), hidden_states, (x, later, w))
+
+    # Deferred experts, as kt-kernel does them: each token's d lowest-weight CPU experts of layer
+    # l are computed after layer l's result is returned, while the model runs on, and their
+    # output is added to layer l+1's result. Give the model's last MoE layer d = 0 (its deferred
+    # part would have no next layer to land in). Keyed by layer_idx, shared by the wrappers.
+    _deferred: dict = {}
+
+    def _split_deferred(self, ids, w):
+        import torch
+
+        from .hybrid import split_deferred
+
+        ids_t = ids if isinstance(ids, torch.Tensor) else torch.from_numpy(np.asarray(ids))
+        w_t = w if isinstance(w, torch.Tensor) else torch.from_numpy(np.asarray(w, np.float32))
+        cpu_expert = torch.from_numpy(~self.gpu_experts_mask)
+        now, later = split_deferred(ids_t.long(), w_t.float(), cpu_expert, self.max_deferred_experts_per_token)
+        return now, later
 
     def sync_forward(self, hidden_states=None, cuda_stream=None):
         """Wait for the submitted layer; bf16 [T, H] on hidden_states' device."""
         if self._pending is None:
             raise RuntimeError(f"KTMoEWrapper layer {self.layer_idx}: sync_forward without "
                                "submit_forward")
-        handle, src = self._pending
+        handle, src, (x, later, w) = self._pending
         self._pending = None
         out = handle.wait()
+        prev = KTMoEWrapper._deferred.pop(self.layer_idx - 1, None)
+        if prev is not None:  # the previous layer's deferred experts land here
+            out = out + prev.wait()
+        stale = KTMoEWrapper._deferred.pop(self.layer_idx, None)
+        if stale is not None:
+            stale.wait()  # never consumed (no next layer ran): finish it, drop it
+        if later is not None and bool((later >= 0).any()):
+            KTMoEWrapper._deferred[self.layer_idx] = self.moe.submit(x, later, w, gpu_mask=self._mask_arg)
         ref = hidden_states if hidden_states is not None else src
         if hasattr(out, "dtype") and hasattr(out, "to"):
             import torch

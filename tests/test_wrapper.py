@@ -85,8 +85,8 @@ def test_errors():
         KTMoEWrapper(0, E, K, H, I, gpu_experts_mask=torch.zeros(E + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="num_gpu_experts"):
         KTMoEWrapper(0, E, K, H, I, num_gpu_experts=E + 1)
-    with pytest.raises(NotImplementedError, match="max_deferred_experts_per_token"):
-        KTMoEWrapper(0, E, K, H, I, max_deferred_experts_per_token=2)
+    with pytest.raises(ValueError, match="max_deferred_experts_per_token"):
+        KTMoEWrapper(0, E, K, H, I, max_deferred_experts_per_token=K)
     w = KTMoEWrapper(0, E, K, H, I, cpuinfer_threads=2, method="AMXINT8")
     x, ids, tw = _inputs(2)
     with pytest.raises(RuntimeError, match="weights not loaded"):
@@ -131,3 +131,32 @@ def test_load_weights_from_kt_format(tmp_path):
     assert torch.equal(m(x, ids, tw.float()), w.forward(x, ids, tw))
     with pytest.raises(ValueError, match="is int8, but method='BF16'"):
         KTMoEWrapper(1, E, K, H, I, None, 2, 1, str(out), 512, method="BF16").load_weights()
+
+
+def test_deferred_experts_land_in_the_next_layer():
+    """kt-kernel's deferral: layer 0's lowest-weight CPU expert per token is computed after layer
+    0 returns and added to layer 1's result (the last layer defers nothing)."""
+    from kt.hybrid import split_deferred
+
+    g, u, d = _weights()
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[3] = True  # a GPU expert: never computed here, never deferred
+    layers = []
+    for i, dd in ((0, 1), (1, 0)):
+        w = KTMoEWrapper(i, E, K, H, I, gpu_experts_mask=mask, cpuinfer_threads=2, method="BF16",
+                         max_deferred_experts_per_token=dd)
+        w.load_weights_from_tensors(g, u, d)
+        layers.append(w)
+    x0, ids0, tw0 = _inputs(5, seed=1)
+    x1, ids1, tw1 = _inputs(5, seed=2)
+    y0 = layers[0].forward(x0, ids0, tw0)
+    y1 = layers[1].forward(x1, ids1, tw1)
+    now0, later0 = split_deferred(ids0, tw0, ~mask, 1)
+    assert (later0 >= 0).any()
+    skip = mask.numpy()
+    r0 = _qref(layers[0], x0, now0, tw0, skip)
+    r1 = _qref(layers[1], x1, ids1, tw1, skip) + _qref(layers[0], x0, later0, tw0, skip)
+    # bf16 outputs (and one bf16 add for layer 1): 2^-8 relative per rounding
+    assert ref.relative_error(y0, r0) < 8e-3
+    assert ref.relative_error(y1, r1) < 8e-3
+    assert not KTMoEWrapper._deferred
