@@ -6,9 +6,12 @@ import sys
 import warnings
 from pathlib import Path
 
-_HF_MISSING = ("recording from a model needs the kt[hf] model integration (kt.hf.patch_model), which "
-               "is not built yet; record from a routing trace (--trace FILE) or synthetic routing "
-               "(--synthetic) instead")
+_DEFAULT_PROMPTS = [
+    "Explain how a mixture-of-experts language model decides which experts to use.",
+    "Write a short story about a lighthouse keeper who finds a map.",
+    "def quicksort(xs):",
+    "List three differences between CPUs and GPUs.",
+]
 
 
 def add_parser(subparsers) -> None:
@@ -21,14 +24,19 @@ def add_parser(subparsers) -> None:
     r = sub.add_parser("record", help="record activation statistics (from a routing trace or synthetic)",
                        description="Write activation statistics [L, E] (.npz or .json). Sources: a routing "
                                    "trace file (--trace: topk_ids [L, T, K] in .npz/.npy/.pt), or synthetic "
-                                   "Zipf routing (--synthetic). Recording from a model (--model) needs the "
-                                   "kt[hf] integration.")
+                                   "Zipf routing (--synthetic), or a Hugging Face MoE model run over "
+                                   "prompts (--model, needs kt[hf]; its experts run on kt, its router "
+                                   "as the model defines it).")
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", metavar="FILE", help="routing trace: topk_ids [L, T, K] (.npz key "
                      "'topk_ids', optional 'topk_weights'; .npy; .pt tensor or dict)")
     src.add_argument("--synthetic", action="store_true", help="generate Zipf-like routing")
-    src.add_argument("--model", metavar="PATH", help="run a model over prompts (needs kt[hf]; not built yet)")
-    r.add_argument("--prompts", metavar="FILE", help="prompt file for --model")
+    src.add_argument("--model", metavar="PATH", help="a local HF MoE model directory to run over prompts")
+    r.add_argument("--prompts", metavar="FILE", help="--model: one prompt per line (default: a few built-in)")
+    r.add_argument("--max-new-tokens", type=int, default=0,
+                   help="--model: also generate this many tokens per prompt (decode routing)")
+    r.add_argument("--scheme", default="int8", choices=["bf16", "int8", "int4"],
+                   help="--model: how kt stores the experts while recording (default int8)")
     r.add_argument("-o", "--output", required=True, metavar="FILE", help="statistics file (.npz or .json)")
     r.add_argument("--weighted", action="store_true", help="weight each token-slot by its router weight")
     r.add_argument("--layers", type=int, default=24, help="synthetic: layers L (default 24)")
@@ -116,13 +124,51 @@ def _load_trace(path: Path, trust_pickle: bool):
     return ids, w
 
 
+def _record_model(args) -> int:
+    import torch
+
+    from kt.hf import PatchConfig
+    from kt.hf.run import load_model
+    from kt.hf.stats import moe_layers, record_routing
+    from kt.placement import ExpertStats
+
+    if args.prompts:
+        lines = Path(args.prompts).read_text().splitlines()
+        prompts = [p for p in (line.strip() for line in lines) if p]
+        if not prompts:
+            raise ValueError(f"{args.prompts}: no prompts (one per line)")
+    else:
+        prompts = _DEFAULT_PROMPTS
+    model, tok = load_model(args.model, PatchConfig(scheme=args.scheme), device="cpu")
+    layers = moe_layers(model)
+    num_layers = int(model.config.num_hidden_layers)
+    experts = next(m for _, m in model.named_modules() if hasattr(m, "num_experts")
+                   and type(m).__name__ == "KTExperts").num_experts
+    stats = ExpertStats(num_layers, experts, weighted=args.weighted,
+                        model=args.name or Path(args.model).name)
+    n_tok = 0
+    with torch.no_grad(), record_routing(model, stats):
+        for p in prompts:
+            ids = tok(p, return_tensors="pt").input_ids
+            if args.max_new_tokens > 0:
+                out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+                n_tok += out.shape[1]
+            else:
+                model(ids)
+                n_tok += ids.shape[1]
+    out = stats.save(args.output)
+    print(f"recorded {len(prompts)} prompts ({n_tok} tokens) over {len(layers)} MoE layers of "
+          f"{num_layers}, {experts} experts -> {out}")
+    return 0
+
+
 def _record(args) -> int:
     import numpy as np
 
     from kt.placement import ExpertStats, zipf_routing
 
     if args.model:
-        raise NotImplementedError(_HF_MISSING)
+        return _record_model(args)
     if args.prompts:
         raise ValueError("--prompts goes with --model")
     if args.synthetic:

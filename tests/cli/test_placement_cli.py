@@ -90,9 +90,26 @@ def test_record_from_trace_files(tmp_path):
     assert main(["placement", "record", "--trace", str(tmp_path / "t.pt"), "--weighted", "-o", str(out)]) == 1
 
 
-def test_record_from_model_needs_hf_integration(tmp_path, capsys):
-    assert main(["placement", "record", "--model", "some/model", "-o", str(tmp_path / "s.npz")]) == 1
-    assert "needs the kt[hf] model integration" in capsys.readouterr().err
+def test_record_from_a_model(tmp_path, capsys):
+    """Statistics recorded from a tiny HF model run over prompts (experts on kt) count every
+    token-slot its router chose, in every MoE layer."""
+    from kt.hf import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "m", "qwen3_moe", num_layers=2)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello world\n\nthe experts of a layer\n")
+    out = tmp_path / "s.npz"
+    assert main(["placement", "record", "--model", str(model_dir), "--prompts", str(prompts),
+                 "--scheme", "bf16", "-o", str(out)]) == 0
+    s = ExpertStats.load(out)
+    assert s.shape == (2, 16)
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    n = sum(len(tok(p).input_ids) for p in ("hello world", "the experts of a layer"))
+    assert (s.counts.sum(axis=1) == n * 4).all()  # top-4 in every layer
+    assert "2 prompts" in capsys.readouterr().out
+    assert main(["placement", "record", "--model", str(tmp_path / "nope"), "-o", str(out)]) == 1
 
 
 def test_placement_without_action_prints_help(capsys):
