@@ -1,0 +1,83 @@
+"""`kt bench`: how fast this machine runs one MoE layer's CPU experts (a quick check, not the
+benchmark suite in benchmarks/)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+_SHAPES = {  # E, K, H, I
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v2-lite": (64, 6, 2048, 1408),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "tiny": (16, 4, 256, 128),
+}
+
+
+def _layer(E, H, I, scheme, seed):
+    import numpy as np
+
+    from ..cpu_ops.moe import CPUMoE
+
+    rng = np.random.default_rng(seed)
+    gate = rng.standard_normal((E, I, H), dtype=np.float32) / np.float32(np.sqrt(H))
+    up = rng.standard_normal((E, I, H), dtype=np.float32) / np.float32(np.sqrt(H))
+    down = rng.standard_normal((E, H, I), dtype=np.float32) / np.float32(np.sqrt(I))
+    return CPUMoE.from_tensors(gate, up, down, scheme=scheme)
+
+
+def _run(args) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    from ..cpu_ops.pool import CpuPool
+
+    if args.shape not in _SHAPES:
+        raise ValueError(f"unknown shape {args.shape!r}; choose from {sorted(_SHAPES)}")
+    E, K, H, I = _SHAPES[args.shape]
+    Ts = [int(t) for t in args.tokens.split(",")]
+    if any(t <= 0 for t in Ts):
+        raise ValueError(f"--tokens must be positive integers, got {args.tokens!r}")
+    pool = CpuPool(args.threads) if args.threads else None
+    rng = np.random.default_rng(0)
+    print(f"kt bench: {args.shape} (E={E} K={K} H={H} I={I}), {args.copies} weight copies "
+          f"(cold weights when their total exceeds the caches), threads: "
+          f"{pool.num_threads if pool else 'default pool'}")
+    print(f"{'scheme':<6} {'T':>6} {'min ms':>9} {'median ms':>10} {'GB/s':>7} {'tok/s':>9}")
+    for scheme in args.schemes.split(","):
+        copies = [_layer(E, H, I, scheme, s) for s in tqdm(range(args.copies), leave=False,
+                                                             desc=f"building {scheme} layers")]
+        if pool is not None:
+            for c in copies:
+                c.use_pool(pool)
+        per_expert = copies[0].nbytes / E
+        for T in Ts:
+            x = rng.standard_normal((T, H), dtype=np.float32)
+            times, hit = [], []
+            for r in range(args.reps + 1):
+                ids = np.argsort(rng.random((T, E)), axis=1)[:, :K]
+                w = rng.random((T, K), dtype=np.float32)
+                t0 = time.perf_counter()
+                copies[r % len(copies)](x, ids, w)
+                if r:  # the first call compiles / warms up
+                    times.append(time.perf_counter() - t0)
+                    hit.append(len(np.unique(ids)))
+            tmin = min(times)
+            gbs = statistics.mean(hit) * per_expert / tmin / 1e9
+            print(f"{scheme:<6} {T:>6} {tmin * 1e3:>9.3f} {statistics.median(times) * 1e3:>10.3f} "
+                  f"{gbs:>7.1f} {T / tmin:>9.0f}")
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="time one MoE layer's CPU experts on this machine",
+                              description="Times kt.CPUMoE on a model shape with random weights and "
+                                          "uniform routing; prints min/median ms, GB/s of expert "
+                                          "weights touched and tokens/s. The full benchmarks, with "
+                                          "rooflines and baselines, are in benchmarks/.")
+    p.add_argument("--shape", default="qwen3-30b-a3b", help=f"one of {sorted(_SHAPES)}")
+    p.add_argument("--schemes", default="int8,int4,bf16")
+    p.add_argument("--tokens", default="1,32,512", help="comma-separated token counts T")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: kt's default pool)")
+    p.add_argument("--copies", type=int, default=2, help="weight copies cycled through (default 2)")
+    p.add_argument("--reps", type=int, default=5)
+    p.set_defaults(func=_run)
