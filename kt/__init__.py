@@ -5,8 +5,7 @@ cache) at first use. Heavy submodules are imported lazily on attribute access.
 """
 from __future__ import annotations
 
-import importlib
-
+from ._lazy import lazy_getattr
 from ._version import __version__
 from .config import KTConfig, MoEShape, QuantScheme
 
@@ -29,18 +28,15 @@ _LAZY = {
 __all__ = ["__version__", "KTConfig", "MoEShape", "QuantScheme", "__cpu_variant__", *_LAZY]
 
 
+_resolve = lazy_getattr("kt", globals(), _LAZY)
+
+
 def __getattr__(name: str):
-    if name == "__cpu_variant__":
+    if name == "__cpu_variant__":  # not cached: KT_CPU_VARIANT may change between calls
         from .cpu_ops.isa import cpu_variant
 
         return cpu_variant()
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'kt' has no attribute {name!r}")
-    mod, _, attr = target.partition(":")
-    value = getattr(importlib.import_module(mod), attr)
-    globals()[name] = value
-    return value
+    return _resolve(name)
 
 
 def __dir__():

@@ -10,7 +10,7 @@ Supported families: ``kt.hf.FAMILIES`` (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-
 """
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_getattr
 
 _LAZY = {
     "PatchConfig": "kt.hf._patch:PatchConfig",
@@ -36,14 +36,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'kt.hf' has no attribute {name!r}")
-    mod, _, attr = target.partition(":")
-    value = getattr(importlib.import_module(mod), attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("kt.hf", globals(), _LAZY)
 
 
 def __dir__():
