@@ -196,14 +196,16 @@ class CPUMoE:
     w2: stacked PackedWeight [E, H, I].
     pool: the CpuPool to run on (default: ``default_pool()``, looked up at each call).
     chunk_tokens: tokens per internal chunk (bounds scratch memory: about
-        chunk_tokens * K * (2I + H) * 4 bytes plus activations).
+        chunk_tokens * K * (2I + H) * 4 bytes plus activations, allocated only as large as the
+        calls need). Each chunk reads every hit expert's weights once, so larger chunks read less:
+        2048 was 5 % faster than 1024 at T=2048 on the 2-core dev machine (212 vs 225 ms).
     max_tokens: optional upper bound on T per call (a larger T is a ValueError).
     kernels: optional (gemv, gemm) pair of jitted kernels of the README contract (tests);
         default: the registry's best for this host (or ``variant``).
     """
 
     def __init__(self, w13: PackedWeight, w2: PackedWeight, *, up_offset: int | None = None,
-                 pool: CpuPool | None = None, chunk_tokens: int = 1024,
+                 pool: CpuPool | None = None, chunk_tokens: int = 2048,
                  max_tokens: int | None = None, kernels=None, variant: str | None = None,
                  gemv_max: int | None = None):
         if not isinstance(w13, PackedWeight) or not isinstance(w2, PackedWeight):
