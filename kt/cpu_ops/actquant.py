@@ -68,3 +68,22 @@ def bf16_rows(x, xb):
                 xb[m, k] = np.uint16(r & np.uint64(0xFFFF))
         for k in range(d, d_pad):
             xb[m, k] = 0
+
+
+@njit(nogil=True, cache=True)
+def group_sums(xq, group_size, d_pad):
+    """8 * sum of xq over each group of G along D: int32 [M, d_pad / G].
+
+    The INT4 kernels multiply the stored nibble (q + 8) with the activations; subtracting this
+    per-token, per-group term turns sum (q + 8) x into the wanted sum q x, exactly.
+    """
+    m_count = xq.shape[0]
+    ng = d_pad // group_size
+    xsum = np.empty((m_count, ng), np.int32)
+    for m in range(m_count):
+        for g in range(ng):
+            s = 0
+            for k in range(g * group_size, (g + 1) * group_size):
+                s += np.int32(xq[m, k])
+            xsum[m, g] = 8 * s
+    return xsum

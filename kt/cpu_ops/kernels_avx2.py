@@ -29,6 +29,7 @@ from ._simd import (
     as_f32x8, as_i8x32, bcast4_i32x8, cvt_i32_f32, load_f32x8, load_i8x32, load_i32x8,
     pmaddubsw256, pmaddwd256, splat_f32x8, splat_i16x16, splat_i32x8, store, vabs_i8, vadd,
     vand, vfma, vmul, vsign_i8, vsll, vsrl, vsub)
+from .actquant import group_sums
 from .tiling import gemm_m_chunk
 
 cache.install()
@@ -149,21 +150,6 @@ def _gemm_int8_rows(xq, xs, data, scale, out, nb0, nb1, m_lo, m_hi):
 
 # ----------------------------------------------------------------------------- INT4
 
-@njit(nogil=True, cache=True)
-def _group_sums(xq, group_size, d_pad):
-    """8 * sum of xq over each group of G: int32 [M, d_pad / G]."""
-    m_count = xq.shape[0]
-    ng = d_pad // group_size
-    xsum = np.empty((m_count, ng), np.int32)
-    for m in range(m_count):
-        for g in range(ng):
-            s = 0
-            for k in range(g * group_size, (g + 1) * group_size):
-                s += np.int32(xq[m, k])
-            xsum[m, g] = 8 * s
-    return xsum
-
-
 @njit(nogil=True, cache=True, inline="always")
 def _i4_dot(acc, lo, hi, xlo, xhi, ones):
     t = vadd(pmaddubsw256(lo, xlo), pmaddubsw256(hi, xhi))  # <= 7620 per int16 lane
@@ -189,7 +175,7 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     orow = out.strides[0] // 4
     nib = splat_i32x8(_NIB)
     ones = splat_i16x16(1)
-    xsum = _group_sums(xq, group_size, d_pad)
+    xsum = group_sums(xq, group_size, d_pad)
     for b in range(nb0, nb1):
         p = b * blk
         for m in range(m_count):
@@ -229,7 +215,7 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
 def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """INT4 large-M GEMM (AVX2), 2 tokens x 1 block per step. Arguments as gemv_int4."""
     m_count = xq.shape[0]
-    xsum = _group_sums(xq, group_size, xq.shape[1])
+    xsum = group_sums(xq, group_size, xq.shape[1])
     mc = gemm_m_chunk(m_count, xq.shape[1])
     for c0 in range(0, m_count, mc):
         _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, c0,

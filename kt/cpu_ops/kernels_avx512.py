@@ -32,6 +32,7 @@ from ._simd import (
     bcast4_i32x16, cvt_i32_f32, dpbf16ps512, load_f32x16,
     load_i32x16, splat_f32x16, splat_i32x16, store, vadd, vand, vfma, vmul, vpdpbusd512, vsll,
     vsra, vsrl, vsub, vxor)
+from .actquant import group_sums
 from .tiling import gemm_m_chunk
 
 cache.install()
@@ -187,21 +188,6 @@ def _gemm_int8_rows(xu, xs, data, scale, wsum, out, nb0, nb1, m_lo, m_hi):
 
 
 # ----------------------------------------------------------------------------- INT4
-
-@njit(nogil=True, cache=True)
-def group_sums(xq, group_size, d_pad):
-    """8 * sum of xq over each group of G along D: int32 [M, d_pad / G] (the INT4 correction)."""
-    m_count = xq.shape[0]
-    ng = d_pad // group_size
-    xsum = np.empty((m_count, ng), np.int32)
-    for m in range(m_count):
-        for g in range(ng):
-            s = 0
-            for k in range(g * group_size, (g + 1) * group_size):
-                s += np.int32(xq[m, k])
-            xsum[m, g] = 8 * s
-    return xsum
-
 
 @njit(nogil=True, cache=True, inline="always")
 def _i4_step(acc, w, xlo, xhi, nib):
