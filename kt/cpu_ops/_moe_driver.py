@@ -49,6 +49,7 @@ S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 200, 201, 202, 203, 204, 205
 S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 208, 209, 210, 211, 212, 213
 D_KV13, D_KM13, D_KV2, D_KM2 = 214, 215, 216, 217  # kernel entry points (kernel_address)
 S_SCHEME, S_XBF16, S_OBF16 = 218, 219, 220
+S_PROF = 221  # address of an int64 [nth, PHASES, 2] profile (busy, waiting cycles), 0 = off
 
 PHASES = 6
 PHASE_WORDS = 3 * CTRL_STRIDE  # claim, done, ntasks: one line each
@@ -75,6 +76,26 @@ def _ptr(typingctx, addr, dt):
         return builder.inttoptr(args[0], context.get_value_type(pty))
 
     return pty(addr, dt), codegen
+
+
+@intrinsic
+def cycles(typingctx):
+    """The CPU's time-stamp counter (``llvm.readcyclecounter``: rdtsc on x86), for profiles."""
+
+    def codegen(context, builder, sig, args):
+        from llvmlite import ir
+        from numba.core import cgutils
+
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
+
+
+@njit(cache=True)
+def read_cycles():
+    return cycles()
 
 
 @intrinsic
@@ -340,7 +361,9 @@ def _blocks_per_task(nblocks, n_active, nthreads, fixed):
 
 @njit(nogil=True, cache=True)
 def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, bpt13, bpt2):
-    """Bucket (token, slot) pairs of tokens [t0, t1) by expert. Returns (rows, n13, n2).
+    """Bucket (token, slot) pairs of tokens [t0, t1) by expert. Returns (rows, n13, n2, fused):
+    fused when every gate+up task covers a whole expert (then it also computes the expert's
+    activations, phase 3 has no tasks).
 
     pos[t - t0, k]: gathered row of slot (t, k) or -1; offs[e]..offs[e+1]: rows of expert e.
     """
@@ -382,6 +405,7 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
     offs[0] = 0
     b13 = _blocks_per_task(nb13, n_act, nth, bpt13)
     b2 = _blocks_per_task(nb2, n_act, nth, bpt2)
+    fused = b13 >= nb13
     n13 = 0
     n2 = 0
     for a in range(n_act):
@@ -396,7 +420,7 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
             tasks2[n2, 1] = b0
             tasks2[n2, 2] = min(b0 + b2, nb2)
             n2 += 1
-    return run, n13, n2
+    return run, n13, n2, fused
 
 
 # ----------------------------------------------------------------------------- phase barrier
@@ -569,6 +593,9 @@ def moe_job(nth, jctrl, desc):
     acc = _arr2(desc, A_ACC, np.float32)[me]
     nb13 = desc[A_W13D * SLOT + 2]
     nb2 = desc[A_W2D * SLOT + 2]
+    pa = desc[S_PROF]  # profile of this participant (never touched when 0)
+    prof = carray(_ptr(pa + me * PHASES * 2 * 8 if pa != 0 else np.int64(desc.ctypes.data), np.int64),
+                  (PHASES, 2))
     for c in range(nch):
         t0 = c * C
         t1 = min(T, t0 + C)
@@ -582,15 +609,29 @@ def moe_job(nth, jctrl, desc):
                 i = atomic_add(jctrl, base, 1)
                 if i >= n:
                     break
+                tc = cycles() if pa != 0 else 0
                 if ph == 0:
-                    rows, n13, n2 = _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2,
-                                          nb13, nb2, nth, desc[S_BPT13], desc[S_BPT2])
+                    rows, n13, n2, fused = _plan(t0, t1, ids, mask, pos, offs, order, tasks13,
+                                                 tasks2, nb13, nb2, nth, desc[S_BPT13],
+                                                 desc[S_BPT2])
                     nt = t1 - t0
                     # the plan phase's own ntasks word carries the chunk's row count
                     jctrl[base + 2 * CTRL_STRIDE] = rows
-                    jctrl[base + PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
+                    # a chunk of one token block is quantised here, saving a barrier (decode)
+                    nq = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
+                    if nq == 1:
+                        if x_bf16:
+                            _quantise_tokens(x16, t0, t0, t1, pos, H, xg, xs, acc, bf16)
+                        else:
+                            _quantise_tokens(x32, t0, t0, t1, pos, H, xg, xs, acc, bf16)
+                        nq = 0
+                    jctrl[base + PHASE_WORDS + 2 * CTRL_STRIDE] = nq
                     jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13
-                    jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+                    # fused: the gate+up tasks compute the activations; else one task per row
+                    # block (single rows when there are few, so decode's rows spread over threads)
+                    rb = ROW_BLOCK if rows >= ROW_BLOCK * nth else 1
+                    jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = rb  # beside ntasks
+                    jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused else (rows + rb - 1) // rb
                     jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = n2
                     jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
                 elif ph == 1:
@@ -605,12 +646,18 @@ def moe_job(nth, jctrl, desc):
                     e = tasks[i, 0]
                     r0 = offs[e]
                     r1 = offs[e + 1]
-                    _gemm_task(desc, scheme, 0 if ph == 2 else 1, e, r0, r1,
-                               np.int64(tasks[i, 1]), np.int64(tasks[i, 2]), r1 - r0 <= gemv_max)
+                    nb0 = np.int64(tasks[i, 1])
+                    nb1 = np.int64(tasks[i, 2])
+                    _gemm_task(desc, scheme, 0 if ph == 2 else 1, e, r0, r1, nb0, nb1,
+                               r1 - r0 <= gemv_max)
+                    if ph == 2 and nb0 == 0 and nb1 == nb13:
+                        # a whole expert: its activations now, while gu's rows are in this cache
+                        _act_rows(gu, r0, r1, I, up_off, hq, hs, acc, bf16)
                 elif ph == 3:
                     rows = jctrl[pbase + 2 * CTRL_STRIDE]
-                    ra = i * ROW_BLOCK
-                    _act_rows(gu, ra, min(rows, ra + ROW_BLOCK), I, up_off, hq, hs, acc, bf16)
+                    rb = jctrl[base + 2 * CTRL_STRIDE + 1]
+                    ra = i * rb
+                    _act_rows(gu, ra, min(rows, ra + rb), I, up_off, hq, hs, acc, bf16)
                 else:
                     ta = t0 + i * TOKEN_BLOCK
                     tb = min(t1, ta + TOKEN_BLOCK)
@@ -618,7 +665,13 @@ def moe_job(nth, jctrl, desc):
                         _combine_tokens(o16, t0, ta, tb, pos, tw, y, H, acc, incremental)
                     else:
                         _combine_tokens(o32, t0, ta, tb, pos, tw, y, H, acc, incremental)
+                if pa != 0:
+                    prof[ph, 0] += cycles() - tc
                 atomic_add(jctrl, base + CTRL_STRIDE, 1)
-            if not _wait_phase(jctrl, base, n):
+            tw0 = cycles() if pa != 0 else 0
+            ok = _wait_phase(jctrl, base, n)
+            if pa != 0:
+                prof[ph, 1] += cycles() - tw0
+            if not ok:
                 return
     atomic_store(jctrl, JOB_COMPLETE, 1)

@@ -1,0 +1,224 @@
+"""Where a CPU MoE layer call spends its time, per driver phase, and which prefill variant is faster.
+
+Part 1 (profile): ``CPUMoE.profile``-style per-phase busy / barrier-wait time, summed over the
+pool's participants, for each scheme x T, on cold weights (layer copies used in turn) and fresh
+uniform routing per call.
+Part 2 (variants, interleaved call by call): the large-M kernel of the layer (the default
+``gemm`` against alternatives passed as ``kernels=``) and the token chunk size.
+Part 3 (one core, kernels_amx only): the INT8 GEMM alone, blocked vs software-pipelined.
+
+Device (16 cores; kt not installed there):
+    PYTHONPATH=. python3 benchmarks/profile_moe.py --threads 16 --pool-gb 4 --out $OUT
+Writes profile_moe.json (and prints a table) under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_moe import SHAPES, _copy, build_layer, routing  # noqa: E402
+from kt.config import QuantScheme  # noqa: E402
+from kt.cpu_ops import _moe_driver as drv  # noqa: E402
+from kt.cpu_ops import isa  # noqa: E402
+from kt.cpu_ops.moe import PHASE_NAMES, CPUMoE, _kernel_pair, tsc_hz  # noqa: E402
+from kt.cpu_ops.pool import CpuPool  # noqa: E402
+
+
+def _layers(scheme, shape, pool_bytes, pool, **kw):
+    E, K, H, I = SHAPES[shape]
+    w13, w2 = build_layer(E, H, I, scheme)
+    n = max(2, -(-pool_bytes // (w13.nbytes + w2.nbytes)))
+    insts = [(w13, w2)] + [(_copy(w13), _copy(w2)) for _ in range(n - 1)]
+    return [CPUMoE(a, b, pool=pool, **kw) for a, b in insts]
+
+
+def profile(layers, T, reps, rng, shape):
+    E, K, H, I = SHAPES[shape]
+    pool = layers[0].pool
+    prof = np.zeros((pool.num_threads, drv.PHASES, 2), np.int64)
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    for i in range(2):  # warm-up calls, not profiled
+        ids, w = routing(rng, T, E, K)
+        layers[i % len(layers)](x, ids, w)
+    walls = []
+    for i in range(reps):
+        ids, w = routing(rng, T, E, K)
+        L = layers[(i + 2) % len(layers)]
+        L._prof = prof
+        t0 = time.perf_counter()
+        L(x, ids, w)
+        walls.append(time.perf_counter() - t0)
+        L._prof = None
+    tot = prof.sum(axis=0) / tsc_hz() / reps * 1e3
+    return {"wall_min_ms": round(min(walls) * 1e3, 3),
+            "wall_median_ms": round(statistics.median(walls) * 1e3, 3),
+            "threads": pool.num_threads,
+            "phases": {n: {"busy_ms": round(float(tot[j, 0]), 3),
+                           "wait_ms": round(float(tot[j, 1]), 3)}
+                       for j, n in enumerate(PHASE_NAMES)}}
+
+
+def interleaved(variants, T, reps, rng, shape):
+    """variants: {name: [layers]}; calls alternate between variants; returns {name: stats}."""
+    E, K, H, I = SHAPES[shape]
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    ts = {n: [] for n in variants}
+    for i in range(reps + 1):
+        ids, w = routing(rng, T, E, K)
+        for n, layers in variants.items():
+            L = layers[i % len(layers)]
+            t0 = time.perf_counter()
+            L(x, ids, w)
+            if i:
+                ts[n].append(time.perf_counter() - t0)
+    return {n: {"min_ms": round(min(v) * 1e3, 3), "median_ms": round(statistics.median(v) * 1e3, 3)}
+            for n, v in ts.items()}
+
+
+def _amx_variants(scheme):
+    """Alternative large-M kernels for ``kernels=`` (contract signatures), by name."""
+    from kt.cpu_ops import kernels_amx as KA
+
+    if scheme is QuantScheme.INT8:
+        def make(pfb, l2):
+            @njit(nogil=True)
+            def k(xq, xs, data, scale, wsum, out, nb0, nb1):
+                KA.gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
+                                  pfb, l2)
+            return k
+    elif scheme is QuantScheme.BF16:
+        def make(pfb, l2):
+            @njit(nogil=True)
+            def k(xb, data, out, nb0, nb1):
+                KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), pfb, l2)
+            return k
+    else:
+        return {}
+    return {"pipe_pf8": make(8, False), "pipe_l2": make(0, True), "pipe_pf4_l2": make(4, True)}
+
+
+def gemm_alone(rows, rng):
+    """One core: INT8 GEMM N=1536, D=2048 at M in (32, 128, 512), warm, variants interleaved."""
+    from kt.cpu_ops import kernels_amx as KA
+    from kt.cpu_ops.packing import pack
+    from kt.reference import quantize_act
+
+    n, d = 1536, 2048
+    w = rng.standard_normal((n, d), dtype=np.float32)
+    p = pack(w, "int8")
+    for m in (32, 128, 512):
+        x = rng.standard_normal((m, d), dtype=np.float32)
+        xq, xs = quantize_act(x)
+        xq = np.ascontiguousarray(xq.astype(np.int8))
+        xs = np.ascontiguousarray(xs.astype(np.float32).reshape(-1))
+        out = np.zeros((m, p.n_pad), np.float32)
+        mc = KA.default_mc(d)
+        nb = p.num_blocks
+        cold = [p.data.copy() for _ in range(48)]  # 144 MiB of copies: B from DRAM
+        cur = [0]
+
+        def nxt():
+            cur[0] = (cur[0] + 1) % len(cold)
+            return cold[cur[0]]
+
+        fns = {
+            "blocked": lambda: KA.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, mc, 32, 0),
+            "pipe": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, False),
+            "pipe_l2": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, True),
+            "blocked_cold": lambda: KA.gemm_int8_blocked(xq, xs, nxt(), p.scale, out, 0, nb, mc, 32, 0),
+            "pipe_pf8_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 8, False),
+            "pipe_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 0, True),
+            "pipe_pf4_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 4, True),
+        }
+        outs = {}
+        for k, f in fns.items():
+            out[:] = 0
+            f()
+            outs[k] = out.copy()
+        same = all(np.array_equal(outs["blocked"], v) for v in outs.values())
+        ts = {k: [] for k in fns}
+        reps = 100 if m <= 128 else 30
+        for _ in range(reps):
+            for k, f in fns.items():
+                t0 = time.perf_counter()
+                f()
+                ts[k].append(time.perf_counter() - t0)
+        ops = 2.0 * m * n * d
+        for k, v in ts.items():
+            r = {"part": "gemm_alone", "M": m, "variant": k, "min_us": round(min(v) * 1e6, 1),
+                 "median_us": round(statistics.median(v) * 1e6, 1),
+                 "TOPS": round(ops / min(v) / 1e12, 3), "identical": same}
+            rows.append(r)
+            print(f"  gemm M={m:4d} {k:9s} min {r['min_us']:8.1f} us  med {r['median_us']:8.1f} us "
+                  f" {r['TOPS']:.3f} TOPS  identical={same}", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--pool-gb", type=float, default=4.0)
+    ap.add_argument("--schemes", default="int8,int4,bf16")
+    ap.add_argument("--T", default="1,512,2048")
+    ap.add_argument("--variants", action="store_true", default=True)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    rows = []
+    variant = isa.detect().variant
+    print(f"variant {variant}, threads {a.threads}, tsc {tsc_hz() / 1e9:.2f} GHz", flush=True)
+    pool = CpuPool(a.threads)
+    Ts = [int(t) for t in a.T.split(",")]
+    pool_bytes = int(a.pool_gb * 2**30)
+    for sname in a.schemes.split(","):
+        scheme = QuantScheme.parse(sname)
+        t0 = time.time()
+        layers = _layers(scheme, a.shape, pool_bytes, pool)
+        print(f"{sname}: {len(layers)} copies built in {time.time() - t0:.0f} s", flush=True)
+        for T in Ts:
+            r = profile(layers, T, 6 if T >= 512 else 20, rng, a.shape)
+            r.update(part="profile", scheme=sname, T=T)
+            rows.append(r)
+            ph = "  ".join(f"{k} {v['busy_ms']:.2f}/{v['wait_ms']:.2f}" for k, v in r["phases"].items())
+            print(f"  T={T:5d} wall min {r['wall_min_ms']:.2f} med {r['wall_median_ms']:.2f} ms | "
+                  f"busy/wait ms (sum over threads): {ph}", flush=True)
+        if a.variants and sname in ("int8", "bf16"):
+            kv, km, _ = _kernel_pair(scheme, None)
+            vars_ = {"default": layers}
+            if variant == "amx":
+                for name, k in _amx_variants(scheme).items():
+                    vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(kv, k)) for L in layers]
+            if sname == "int8":
+                vars_["chunk1024"] = [CPUMoE(L.w13, L.w2, pool=pool, chunk_tokens=1024)
+                                      for L in layers]
+            for T in (512, 2048):
+                res = interleaved(vars_, T, 6, rng, a.shape)
+                for n, v in res.items():
+                    rows.append({"part": "variants", "scheme": sname, "T": T, "variant": n, **v})
+                print(f"  variants T={T}: " + "  ".join(
+                    f"{n} {v['min_ms']:.2f}/{v['median_ms']:.2f}" for n, v in res.items()), flush=True)
+            del vars_
+        del layers
+    pool.shutdown()
+    if variant == "amx":
+        gemm_alone(rows, rng)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile_moe.json").write_text(json.dumps({"variant": variant, "threads": a.threads,
+                                                      "shape": a.shape, "rows": rows}, indent=1))
+    print(f"wrote {out / 'profile_moe.json'}")
+
+
+if __name__ == "__main__":
+    main()
