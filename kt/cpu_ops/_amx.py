@@ -27,7 +27,7 @@ from numba.extending import intrinsic, register_jitable
 __all__ = [
     "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
     "tileloadd64", "tilestored64", "tdpbssd", "tdpbsud", "tdpbf16ps",
-    "row16_scale_store", "row16_fma", "row16_mul_store", "copy64", "unpack_int4_line", "prefetch_l1",
+    "row16_scale_store", "row16_fma", "row16_mul_store", "copy64", "unpack_int4_line", "prefetch_l1", "prefetch_l2",
 ]
 
 _I8 = ir.IntType(8)
@@ -351,6 +351,21 @@ def prefetch_l1(typingctx, ary, index):
         i32 = ir.IntType(32)
         _call(builder, "llvm.prefetch.p0", [_PTR, i32, i32, i32],
               [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(ary, index), codegen
+
+
+@intrinsic
+def prefetch_l2(typingctx, ary, index):
+    """Software prefetch of the cache line holding ary[index] into L2 (prefetcht1)."""
+    _check_mem(ary, index, "prefetch_l2")
+
+    def codegen(context, builder, sig, args):
+        p = builder.bitcast(_vptr(context, builder, sig, args, 0, _I8X64), _PTR)
+        i32 = ir.IntType(32)
+        _call(builder, "llvm.prefetch.p0", [_PTR, i32, i32, i32],
+              [p, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
     return types.none(ary, index), codegen

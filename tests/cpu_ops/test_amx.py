@@ -370,6 +370,9 @@ class TileUnit:
     def prefetch_l1(self, ary, index):
         pass  # a hint; never faults
 
+    def prefetch_l2(self, ary, index):
+        pass
+
     def _shapes(self, c, a, b):
         self._check(c, a, b)
         m, k = self.rows[a], self.colsb[a]
@@ -411,7 +414,7 @@ def emulated_kernels(monkeypatch):
     unit = TileUnit()
     for name in ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tilestored64",
                  "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_fma", "row16_mul_store",
-                 "copy64", "unpack_int4_line", "prefetch_l1"):
+                 "copy64", "unpack_int4_line", "prefetch_l1", "prefetch_l2"):
         setattr(mod, name, getattr(unit, name))
     mod.unit = unit
     monkeypatch.undo()
@@ -463,6 +466,15 @@ def _check_blocked(mod, scheme, pf):
     if scheme is QuantScheme.BF16:
         xb = _pad_cols(ref.f32_to_bf16_bits(x), p.d_pad)
         mod.gemm_bf16_blocked(xb, p.data, out, 0, nb, 32, 1, pf)
+        # the pipelined variant sums each panel over K in the order gemm_bf16 does: identical
+        for mc, l2 in ((32, True), (64, False)):
+            pipe = np.full((m, p.n_pad), np.nan, np.float32)
+            mod.gemm_bf16_pipe(xb, p.data, pipe, 0, nb, mc, pf, l2)
+            assert_exact(whole, pipe, what=f"bf16 pipelined pf={pf} mc={mc} vs gemm")
+        part = np.full((m, p.n_pad), np.nan, np.float32)
+        mod.gemm_bf16_pipe(xb, p.data, part, 1, nb, 64, pf, True)
+        assert np.isnan(part[:, :16]).all()
+        assert_exact(whole[:, 16:], part[:, 16:], what="bf16 pipelined block range")
         xr, wr = ref.bf16_round(x), ref.dequantize(ref.quantize(w, "bf16"))
         bound = d * U * (np.abs(xr).astype(np.float64) @ np.abs(wr).astype(np.float64).T)
         _check_within(ref.linear(xr, wr), out[:, :n], bound, "bf16 sliced")
@@ -474,11 +486,21 @@ def _check_blocked(mod, scheme, pf):
     xq = _pad_cols(xq, p.d_pad)
     if scheme is QuantScheme.INT8:
         mod.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, 32, 1, pf)
+        # the software-pipelined variant (odd block count: the last pair is half), and a block
+        # range inside the matrix leaves the other columns untouched
+        for mc, l2 in ((32, True), (64, False)):
+            pipe = np.full((m, p.n_pad), np.nan, np.float32)
+            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, mc, pf, l2)
+            assert_exact(whole, pipe, what=f"int8 pipelined pf={pf} mc={mc} vs gemm")
+        part = np.full((m, p.n_pad), np.nan, np.float32)
+        mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, pf, True)
+        assert np.isnan(part[:, :16]).all()
+        assert_exact(whole[:, 16:], part[:, 16:], what="int8 pipelined block range")
         gv = np.full((m, p.n_pad), np.nan, np.float32)
         mod.gemv_int8_pf(xq, xs, p.data, p.scale, gv, 0, nb, pf)
         assert_exact(whole, gv, what=f"int8 gemv pf={pf} vs gemm")
     else:
-        mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64)
+        mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64, pf > 0)
         gv = np.full((m, p.n_pad), np.nan, np.float32)
         mod.gemv_int4_pf(xq, xs, p.data, p.scale, 64, gv, 0, nb, pf)
         ref_gv = np.full((m, p.n_pad), np.nan, np.float32)
