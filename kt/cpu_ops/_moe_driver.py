@@ -15,7 +15,10 @@ them, so threads may join late):
     5 combine   (token blocks) out[t] = (out[t] if incremental) + sum_k w[t,k] * y[row(t,k)]
 Tasks of phases 2 and 4 are (expert, row-block range) pairs, biggest experts first; their size is
 a pure function of the work and the thread count (``_blocks_per_task``): in decode each expert's
-rows are split over the threads, in prefill whole experts are handed out dynamically.
+rows are split over the threads, in prefill whole experts are handed out dynamically. When every
+task is a whole expert ("fused", prefill), a phase-2 task runs the expert's gate+up, activations
+and down back to back (its rows stay in that core's caches) and phases 3 and 4 have no tasks; a
+chunk of at most TOKEN_BLOCK tokens is quantised by the plan task (one barrier less in decode).
 
 The GEMM micro-kernels (kt/cpu_ops/README.md contract) reach this code as addresses of their
 compiled entry points in the descriptor (``icall8``/``icall5``: an indirect call, so their IR is
@@ -363,7 +366,7 @@ def _blocks_per_task(nblocks, n_active, nthreads, fixed):
 def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, bpt13, bpt2):
     """Bucket (token, slot) pairs of tokens [t0, t1) by expert. Returns (rows, n13, n2, fused):
     fused when every gate+up task covers a whole expert (then it also computes the expert's
-    activations, phase 3 has no tasks).
+    activations and down GEMM: phases 3 and 4 have no tasks).
 
     pos[t - t0, k]: gathered row of slot (t, k) or -1; offs[e]..offs[e+1]: rows of expert e.
     """
@@ -627,12 +630,14 @@ def moe_job(nth, jctrl, desc):
                         nq = 0
                     jctrl[base + PHASE_WORDS + 2 * CTRL_STRIDE] = nq
                     jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13
+                    # fused: each gate+up task is a whole expert and also runs its activations
+                    # and its down GEMM (hq stays in the task's cache; no down phase)
+                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused else n2
                     # fused: the gate+up tasks compute the activations; else one task per row
                     # block (single rows when there are few, so decode's rows spread over threads)
                     rb = ROW_BLOCK if rows >= ROW_BLOCK * nth else 1
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = rb  # beside ntasks
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused else (rows + rb - 1) // rb
-                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = n2
                     jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
                 elif ph == 1:
                     ta = t0 + i * TOKEN_BLOCK
@@ -651,8 +656,11 @@ def moe_job(nth, jctrl, desc):
                     _gemm_task(desc, scheme, 0 if ph == 2 else 1, e, r0, r1, nb0, nb1,
                                r1 - r0 <= gemv_max)
                     if ph == 2 and nb0 == 0 and nb1 == nb13:
-                        # a whole expert: its activations now, while gu's rows are in this cache
+                        # a whole expert (the plan's "fused"): its activations and down GEMM now,
+                        # while gu's and hq's rows are in this core's cache
                         _act_rows(gu, r0, r1, I, up_off, hq, hs, acc, bf16)
+                        _gemm_task(desc, scheme, 1, e, r0, r1, np.int64(0), nb2,
+                                   r1 - r0 <= gemv_max)
                 elif ph == 3:
                     rows = jctrl[pbase + 2 * CTRL_STRIDE]
                     rb = jctrl[base + 2 * CTRL_STRIDE + 1]

@@ -155,6 +155,11 @@ def test_gpu_mask_incremental_and_chunks(scheme, pool):
     m_small = CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme], chunk_tokens=3)
     assert_close(out_cpu, m_small(x, ids, w, gpu_mask=gmask), rtol=1e-6, atol=1e-7,
                  what="chunk_tokens=3")
+    # whole-expert tasks (fused gate+up, act, down) and split row-block tasks (separate act and
+    # down phases) compute every output element the same way: identical
+    m_split = CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme])
+    m_split.blocks_per_task = (4, 4)
+    assert np.array_equal(out_cpu, m_split(x, ids, w, gpu_mask=gmask)), "split tasks"
     m_one = CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme], chunk_tokens=1)
     assert_close(out_cpu, m_one(x, ids, w, gpu_mask=gmask), rtol=1e-6, atol=1e-7,
                  what="chunk_tokens=1 (40 chunks, two jobs)")
