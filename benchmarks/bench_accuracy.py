@@ -28,7 +28,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", nargs="*", default=None)
-    ap.add_argument("--schemes", nargs="*", default=["bf16", "int8", "int4"])
+    ap.add_argument("--schemes", nargs="*", default=["bf16", "int8", "int4", "int8x2"],
+                    help="schemes; int8x2 = INT8 with two-level activations")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])
     ap.add_argument("--backend", default="kt", choices=["kt", "reference"])
     ap.add_argument("--greedy-steps", type=int, default=16)
@@ -54,19 +55,22 @@ def main(argv=None) -> int:
             prompts = random_prompts(cfg.vocab_size, n=3, length=24, seed=seed)
             for scheme in args.schemes:
                 t0 = time.perf_counter()
+                base, acts = (scheme[:-2], "int8x2") if scheme.endswith("x2") else (scheme, "int8")
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    m = patch_model(copy.deepcopy(ref), PatchConfig(scheme=scheme, group_size=64,
-                                                                    backend=args.backend), progress=False)
+                    m = patch_model(copy.deepcopy(ref), PatchConfig(scheme=base, group_size=64,
+                                                                    backend=args.backend,
+                                                                    activations=acts),
+                                    progress=False)
                 a = compare_models(ref, m, prompts, greedy_steps=args.greedy_steps)
-                bound = KL_BOUNDS[scheme]
+                bound = KL_BOUNDS[base]
                 ok = a.mean_kl <= bound and (scheme != "bf16" or a.greedy_identical)
                 rows.append({"family": family, "seed": seed, "scheme": scheme, **a.as_dict(),
                              "kl_bound": bound, "pass": bool(ok),
                              "experts": m.kt_patch.num_experts, "top_k": cfg.num_experts_per_tok,
                              "moe_layers": len(m.kt_patch.layers), "seconds": time.perf_counter() - t0})
                 r = rows[-1]
-                print(f"{family:12s} seed {seed} {scheme:5s} mean KL {r['mean_kl']:.2e} (max {r['max_kl']:.2e}) "
+                print(f"{family:12s} seed {seed} {scheme:6s} mean KL {r['mean_kl']:.2e} (max {r['max_kl']:.2e}) "
                       f"max|dlogit| {r['max_abs_diff']:.2e} top1 {r['top1_match']:.3f} greedy "
                       f"{r['greedy_match']}/{r['greedy_steps']}"
                       + (f" (tie gap {r['greedy_tie_gap']:.1e})" if r['greedy_tie_gap'] is not None else "")

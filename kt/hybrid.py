@@ -492,11 +492,14 @@ class HybridMoE:
     # -- construction helpers ---------------------------------------------------------------------
     @classmethod
     def from_tensors(cls, gate, up, down, gpu_slot=None, *, scheme: QuantScheme | str = "int8",
-                     group_size: int = 64, pool=None, **kwargs) -> "HybridMoE":
-        """gate/up [E, I, H], down [E, H, I]; see the class doc for the other arguments."""
+                     group_size: int = 64, pool=None, activations: str = "int8",
+                     **kwargs) -> "HybridMoE":
+        """gate/up [E, I, H], down [E, H, I]; activations: the CPU experts' ("int8" or
+        "int8x2", see ``CPUMoE``); see the class doc for the other arguments."""
         from .cpu_ops.moe import CPUMoE
 
-        cpu = CPUMoE.from_tensors(gate, up, down, scheme=scheme, group_size=group_size, pool=pool)
+        cpu = CPUMoE.from_tensors(gate, up, down, scheme=scheme, group_size=group_size, pool=pool,
+                                  activations=activations)
         return cls(cpu, gpu_slot, **kwargs)
 
 

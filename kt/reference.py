@@ -161,11 +161,35 @@ def dequantize_act(xq: np.ndarray, xs: np.ndarray) -> np.ndarray:
     return xq.astype(np.float32) * xs[:, None]
 
 
-def act_roundtrip(x, scheme: QuantScheme | str) -> np.ndarray:
-    """What the kernels of a scheme see of the activations: int8 per token, or bf16."""
+def quantize_act2(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Two-level per-token int8 ("int8x2" activations): x ~ xs1 * xq1 + xs2 * xq2.
+
+    (xq1, xs1) = quantize_act(x); the residual r = x - xq1 * xs1 (fp32) is quantised the same
+    way, (xq2, xs2) = quantize_act(r). About 15 bits per value: an int8 kernel applied to both
+    rows and the two fp32 results summed computes x @ w^T with the weight error alone.
+    """
+    x = to_numpy_f32(x)
+    q1, s1 = quantize_act(x)
+    r = (x - q1.astype(np.float32) * s1[:, None]).astype(np.float32)
+    q2, s2 = quantize_act(r)
+    return q1, s1, q2, s2
+
+
+ACT_MODES = ("int8", "int8x2")
+
+
+def act_roundtrip(x, scheme: QuantScheme | str, activations: str = "int8") -> np.ndarray:
+    """What the kernels of a scheme see of the activations: int8 per token (``activations``
+    "int8", or two levels "int8x2", see ``quantize_act2``), or bf16 for BF16."""
     scheme = QuantScheme.parse(scheme)
     if scheme is QuantScheme.BF16:
         return bf16_round(to_numpy_f32(x))
+    if activations == "int8x2":
+        q1, s1, q2, s2 = quantize_act2(x)
+        return (dequantize_act(q1, s1).astype(np.float64)
+                + dequantize_act(q2, s2).astype(np.float64))
+    if activations != "int8":
+        raise ValueError(f"activations must be one of {ACT_MODES}, got {activations!r}")
     return dequantize_act(*quantize_act(x))
 
 
@@ -228,20 +252,22 @@ def moe_forward(x, topk_ids, topk_weights, w13, w2, skip_mask=None) -> np.ndarra
     return _moe_combine(x, topk_ids, topk_weights, w13.shape[0], skip_mask, expert)
 
 
-def moe_forward_quantized(x, topk_ids, topk_weights, q13, q2, skip_mask=None) -> np.ndarray:
+def moe_forward_quantized(x, topk_ids, topk_weights, q13, q2, skip_mask=None,
+                          activations: str = "int8") -> np.ndarray:
     """The MoE forward exactly as a quantised kernel computes it.
 
     q13 / q2: lists of per-expert ``QuantizedWeight`` ([2I, H] and [H, I]). Activations are
-    rounded as the scheme's kernels round them (int8 per token, or bf16) before each GEMM.
+    rounded as the scheme's kernels round them (int8 per token, two int8 levels for
+    ``activations="int8x2"``, or bf16) before each GEMM.
     """
     x = to_numpy_f32(x)
     scheme = q13[0].scheme
 
     def expert(e, xe):
         inter = q13[e].shape[0] // 2
-        gu = linear(act_roundtrip(xe, scheme), dequantize(q13[e]))
+        gu = linear(act_roundtrip(xe, scheme, activations), dequantize(q13[e]))
         h = silu(gu[:, :inter]) * gu[:, inter:]
-        return linear(act_roundtrip(h, scheme), dequantize(q2[e]))
+        return linear(act_roundtrip(h, scheme, activations), dequantize(q2[e]))
 
     return _moe_combine(x, topk_ids, topk_weights, len(q13), skip_mask, expert)
 

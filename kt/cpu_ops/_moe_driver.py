@@ -53,6 +53,7 @@ S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 208, 209, 210, 211, 212, 
 D_KV13, D_KM13, D_KV2, D_KM2 = 214, 215, 216, 217  # kernel entry points (kernel_address)
 S_SCHEME, S_XBF16, S_OBF16 = 218, 219, 220
 S_PROF = 221  # address of an int64 [nth, PHASES, 2] profile (busy, waiting cycles), 0 = off
+S_LEVELS = 222  # activation rows per (token, slot): 1, or 2 for two-level int8 ("int8x2")
 
 PHASES = 6
 PHASE_WORDS = 3 * CTRL_STRIDE  # claim, done, ntasks: one line each
@@ -363,12 +364,13 @@ def _blocks_per_task(nblocks, n_active, nthreads, fixed):
 
 
 @njit(nogil=True, cache=True)
-def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, bpt13, bpt2):
+def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, bpt13, bpt2, R):
     """Bucket (token, slot) pairs of tokens [t0, t1) by expert. Returns (rows, n13, n2, fused):
     fused when every gate+up task covers a whole expert (then it also computes the expert's
     activations and down GEMM: phases 3 and 4 have no tasks).
 
-    pos[t - t0, k]: gathered row of slot (t, k) or -1; offs[e]..offs[e+1]: rows of expert e.
+    pos[t - t0, k]: first of the R gathered rows of slot (t, k), or -1; offs[e]..offs[e+1]: rows
+    of expert e (R per slot: the levels of two-level activations are consecutive rows).
     """
     E = offs.shape[0] - 1
     K = ids.shape[1]
@@ -378,7 +380,7 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
         for k in range(K):
             e = ids[t, k]
             if e >= 0 and mask[e] != 0:
-                offs[e + 1] += 1
+                offs[e + 1] += R
     n_act = 0
     for e in range(E):
         if offs[e + 1] > 0:
@@ -400,7 +402,7 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
             e = ids[t, k]
             if e >= 0 and mask[e] != 0:
                 pos[t - t0, k] = offs[e]
-                offs[e] += 1
+                offs[e] += R
             else:
                 pos[t - t0, k] = -1
     for e in range(E, 0, -1):
@@ -464,7 +466,28 @@ def load_w_bf16(desc, sd, ss, sw, e):
 
 
 @njit(nogil=True, cache=True)
-def _quantise_tokens(x, t0, ta, tb, pos, H, xg, xs, acc, bf16):
+def quant_row_i8x2(src, d1, d2, n):
+    """Two-level int8 of src[:n] (reference.quantize_act2): d1 <- q1, d2 <- q2 of the fp32
+    residual src - s1 * q1 (computed in place in src); returns (s1, s2)."""
+    s1 = quant_row_i8(src, d1, n)
+    for j in range(n):
+        src[j] = src[j] - np.float32(d1[j]) * s1
+    return s1, quant_row_i8(src, d2, n)
+
+
+@njit(nogil=True, cache=True)
+def _quant_rows(acc, xg, xs, r, n, bf16, R):
+    """acc[:n] (fp32, clobbered) -> activation row(s) r (.. r + R - 1) of xg / xs."""
+    if bf16:
+        xs[r] = bf16_row(acc, xg[r].view(np.uint16), n)
+    elif R == 2:
+        xs[r], xs[r + 1] = quant_row_i8x2(acc, xg[r], xg[r + 1], n)
+    else:
+        xs[r] = quant_row_i8(acc, xg[r], n)
+
+
+@njit(nogil=True, cache=True)
+def _quantise_tokens(x, t0, ta, tb, pos, H, xg, xs, acc, bf16, R):
     """Phase 1 for tokens [ta, tb): x rows -> activation rows of every CPU slot of the token."""
     K = pos.shape[1]
     for t in range(ta, tb):
@@ -476,38 +499,42 @@ def _quantise_tokens(x, t0, ta, tb, pos, H, xg, xs, acc, bf16):
             if first < 0:
                 for j in range(H):
                     acc[j] = _to_f32(x[t, j])
-                if bf16:
-                    xs[r] = bf16_row(acc, xg[r].view(np.uint16), H)
-                else:
-                    xs[r] = quant_row_i8(acc, xg[r], H)
+                _quant_rows(acc, xg, xs, r, H, bf16, R)
                 first = r
             else:
                 # an explicit loop: numba's slice assignment here was 10x slower than the quantiser
-                src = xg[first]
-                dst = xg[r]
-                for j in range(dst.shape[0]):
-                    dst[j] = src[j]
-                xs[r] = xs[first]
+                for lv in range(R):
+                    src = xg[first + lv]
+                    dst = xg[r + lv]
+                    for j in range(dst.shape[0]):
+                        dst[j] = src[j]
+                    xs[r + lv] = xs[first + lv]
 
 
 @njit(nogil=True, cache=True)
-def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16):
-    """Phase 3 for gathered rows [ra, rb): h = silu(gate) * up into the participant's row ``h``,
-    then requantised into hq (two simple loops: LLVM vectorises them, the fused one it did not)."""
-    for r in range(ra, rb):
+def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16, R):
+    """Phase 3 for gathered rows [ra, rb) (whole slots: R rows each, their gate/up outputs
+    summed): h = silu(gate) * up into the participant's row ``h``, then requantised into hq
+    (simple loops: LLVM vectorises them, the fused one it did not)."""
+    for r in range(ra, rb, R):
         g = gu[r]
-        for j in range(I):
-            h[j] = exp_f32(-g[j])
-        for j in range(I):
-            h[j] = g[j] / (np.float32(1.0) + h[j]) * g[up_off + j]
-        if bf16:
-            hs[r] = bf16_row(h, hq[r].view(np.uint16), I)
+        if R == 2:
+            g2 = gu[r + 1]
+            for j in range(I):
+                h[j] = exp_f32(-(g[j] + g2[j]))
+            for j in range(I):
+                h[j] = ((g[j] + g2[j]) / (np.float32(1.0) + h[j])
+                        * (g[up_off + j] + g2[up_off + j]))
         else:
-            hs[r] = quant_row_i8(h, hq[r], I)
+            for j in range(I):
+                h[j] = exp_f32(-g[j])
+            for j in range(I):
+                h[j] = g[j] / (np.float32(1.0) + h[j]) * g[up_off + j]
+        _quant_rows(h, hq, hs, r, I, bf16, R)
 
 
 @njit(nogil=True, cache=True)
-def _combine_tokens(out, t0, ta, tb, pos, tw, y, H, acc, incremental):
+def _combine_tokens(out, t0, ta, tb, pos, tw, y, H, acc, incremental, R):
     """Phase 5 for tokens [ta, tb): out[t] = (out[t] if incremental) + sum_k w[t,k] y[row]."""
     K = pos.shape[1]
     for t in range(ta, tb):
@@ -522,9 +549,10 @@ def _combine_tokens(out, t0, ta, tb, pos, tw, y, H, acc, incremental):
             if r < 0:
                 continue
             wk = tw[t, k]
-            yr = y[r]
-            for j in range(H):
-                acc[j] += wk * yr[j]
+            for lv in range(R):
+                yr = y[r + lv]
+                for j in range(H):
+                    acc[j] += wk * yr[j]
         for j in range(H):
             out[t, j] = _from_f32(acc[j], out[t, j])
 
@@ -596,6 +624,7 @@ def moe_job(nth, jctrl, desc):
     acc = _arr2(desc, A_ACC, np.float32)[me]
     nb13 = desc[A_W13D * SLOT + 2]
     nb2 = desc[A_W2D * SLOT + 2]
+    R = desc[S_LEVELS]
     pa = desc[S_PROF]  # profile of this participant (never touched when 0)
     prof = carray(_ptr(pa + me * PHASES * 2 * 8 if pa != 0 else np.int64(desc.ctypes.data), np.int64),
                   (PHASES, 2))
@@ -616,7 +645,7 @@ def moe_job(nth, jctrl, desc):
                 if ph == 0:
                     rows, n13, n2, fused = _plan(t0, t1, ids, mask, pos, offs, order, tasks13,
                                                  tasks2, nb13, nb2, nth, desc[S_BPT13],
-                                                 desc[S_BPT2])
+                                                 desc[S_BPT2], R)
                     nt = t1 - t0
                     # the plan phase's own ntasks word carries the chunk's row count
                     jctrl[base + 2 * CTRL_STRIDE] = rows
@@ -624,9 +653,9 @@ def moe_job(nth, jctrl, desc):
                     nq = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
                     if nq == 1:
                         if x_bf16:
-                            _quantise_tokens(x16, t0, t0, t1, pos, H, xg, xs, acc, bf16)
+                            _quantise_tokens(x16, t0, t0, t1, pos, H, xg, xs, acc, bf16, R)
                         else:
-                            _quantise_tokens(x32, t0, t0, t1, pos, H, xg, xs, acc, bf16)
+                            _quantise_tokens(x32, t0, t0, t1, pos, H, xg, xs, acc, bf16, R)
                         nq = 0
                     jctrl[base + PHASE_WORDS + 2 * CTRL_STRIDE] = nq
                     jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13
@@ -635,7 +664,7 @@ def moe_job(nth, jctrl, desc):
                     jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused else n2
                     # fused: the gate+up tasks compute the activations; else one task per row
                     # block (single rows when there are few, so decode's rows spread over threads)
-                    rb = ROW_BLOCK if rows >= ROW_BLOCK * nth else 1
+                    rb = (ROW_BLOCK if rows >= ROW_BLOCK * R * nth else 1) * R
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = rb  # beside ntasks
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused else (rows + rb - 1) // rb
                     jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
@@ -643,9 +672,9 @@ def moe_job(nth, jctrl, desc):
                     ta = t0 + i * TOKEN_BLOCK
                     tb = min(t1, ta + TOKEN_BLOCK)
                     if x_bf16:
-                        _quantise_tokens(x16, t0, ta, tb, pos, H, xg, xs, acc, bf16)
+                        _quantise_tokens(x16, t0, ta, tb, pos, H, xg, xs, acc, bf16, R)
                     else:
-                        _quantise_tokens(x32, t0, ta, tb, pos, H, xg, xs, acc, bf16)
+                        _quantise_tokens(x32, t0, ta, tb, pos, H, xg, xs, acc, bf16, R)
                 elif ph == 2 or ph == 4:
                     tasks = tasks13 if ph == 2 else tasks2
                     e = tasks[i, 0]
@@ -654,25 +683,25 @@ def moe_job(nth, jctrl, desc):
                     nb0 = np.int64(tasks[i, 1])
                     nb1 = np.int64(tasks[i, 2])
                     _gemm_task(desc, scheme, 0 if ph == 2 else 1, e, r0, r1, nb0, nb1,
-                               r1 - r0 <= gemv_max)
+                               r1 - r0 <= gemv_max * R)
                     if ph == 2 and nb0 == 0 and nb1 == nb13:
                         # a whole expert (the plan's "fused"): its activations and down GEMM now,
                         # while gu's and hq's rows are in this core's cache
-                        _act_rows(gu, r0, r1, I, up_off, hq, hs, acc, bf16)
+                        _act_rows(gu, r0, r1, I, up_off, hq, hs, acc, bf16, R)
                         _gemm_task(desc, scheme, 1, e, r0, r1, np.int64(0), nb2,
-                                   r1 - r0 <= gemv_max)
+                                   r1 - r0 <= gemv_max * R)
                 elif ph == 3:
                     rows = jctrl[pbase + 2 * CTRL_STRIDE]
                     rb = jctrl[base + 2 * CTRL_STRIDE + 1]
                     ra = i * rb
-                    _act_rows(gu, ra, min(rows, ra + rb), I, up_off, hq, hs, acc, bf16)
+                    _act_rows(gu, ra, min(rows, ra + rb), I, up_off, hq, hs, acc, bf16, R)
                 else:
                     ta = t0 + i * TOKEN_BLOCK
                     tb = min(t1, ta + TOKEN_BLOCK)
                     if o_bf16:
-                        _combine_tokens(o16, t0, ta, tb, pos, tw, y, H, acc, incremental)
+                        _combine_tokens(o16, t0, ta, tb, pos, tw, y, H, acc, incremental, R)
                     else:
-                        _combine_tokens(o32, t0, ta, tb, pos, tw, y, H, acc, incremental)
+                        _combine_tokens(o32, t0, ta, tb, pos, tw, y, H, acc, incremental, R)
                 if pa != 0:
                     prof[ph, 0] += cycles() - tc
                 atomic_add(jctrl, base + CTRL_STRIDE, 1)

@@ -21,10 +21,11 @@ class ReferenceMoE:
     """
 
     def __init__(self, gate, up, down, scheme: QuantScheme | str = QuantScheme.BF16,
-                 group_size: int = 64):
+                 group_size: int = 64, activations: str = "int8"):
         """gate, up: [E, I, H]; down: [E, H, I] (torch tensors or numpy arrays, any float dtype)."""
         self.scheme = QuantScheme.parse(scheme)
         self.group_size = group_size
+        self.activations = activations
         gate, up, down = (reference.to_numpy_f32(t) for t in (gate, up, down))
         if gate.ndim != 3 or gate.shape != up.shape or down.shape != (gate.shape[0], gate.shape[2],
                                                                         gate.shape[1]):
@@ -39,7 +40,8 @@ class ReferenceMoE:
     def __call__(self, x, topk_ids, topk_weights):
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be [T, {self.hidden}], got {tuple(x.shape)}")
-        out = reference.moe_forward_quantized(x, topk_ids, topk_weights, self.q13, self.q2)
+        out = reference.moe_forward_quantized(x, topk_ids, topk_weights, self.q13, self.q2,
+                                              activations=self.activations)
         return torch.from_numpy(out).to(x.dtype)
 
     def __repr__(self):

@@ -38,6 +38,8 @@ class PatchConfig:
     placement: a ``kt.Placement`` [L, E] putting some experts on the GPU (needs ``kt.HybridMoE``
       and a CUDA device); None = every expert on the CPU.
     deferral: max deferred experts per token (HybridMoE only); 0 = off.
+    activations: "int8" (per-token int8, the default) or "int8x2" (two int8 levels: more
+      accurate INT8/INT4 layers for about 2x the prefill compute; see ``kt.CPUMoE``).
     backend: "kt" (CPUMoE / HybridMoE, the default) or "reference" (kt.reference in numpy: slow,
       exact to the scheme's arithmetic; for debugging).
     """
@@ -50,6 +52,7 @@ class PatchConfig:
     placement: object | None = field(default=None, compare=False)
     deferral: int = 0
     backend: str = "kt"
+    activations: str = "int8"
 
     def __post_init__(self):
         object.__setattr__(self, "scheme", QuantScheme.parse(self.scheme))
@@ -63,6 +66,12 @@ class PatchConfig:
             raise ValueError(f"PatchConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
         if self.weight_path is not None:
             object.__setattr__(self, "weight_path", Path(self.weight_path))
+        if self.activations not in ("int8", "int8x2"):
+            raise ValueError(f"PatchConfig.activations must be 'int8' or 'int8x2', "
+                             f"got {self.activations!r}")
+        if self.activations != "int8" and self.scheme is QuantScheme.BF16:
+            raise ValueError("PatchConfig.activations='int8x2' applies to the int8 and int4 "
+                             "schemes; bf16 experts take bf16 activations")
         if self.backend == "reference" and (self.placement is not None or self.deferral):
             raise ValueError("the reference backend runs every expert on the CPU; "
                              "placement and deferral need backend='kt'")
@@ -270,13 +279,16 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
         gate, up = gu[:, :i], gu[:, i:]
         if config.backend == "reference":
             src = loader.dequantized(s.layer_idx) if loader is not None else (gate, up, dn)
-            moe, name = ReferenceMoE(*src, config.scheme, config.group_size), "reference"
+            moe, name = ReferenceMoE(*src, config.scheme, config.group_size,
+                                     config.activations), "reference"
         else:
             if loader is not None:
                 cpu = loader.cpu_moe(cpu_cls, s.layer_idx, pool)
             else:
                 cpu = cpu_cls.from_tensors(gate.cpu(), up.cpu(), dn.cpu(), scheme=config.scheme,
                                            group_size=config.group_size, pool=pool)
+            if config.activations != "int8":
+                cpu.activations = config.activations
             if hybrid:
                 if chain is None and config.deferral:
                     from ..hybrid import DeferredChain

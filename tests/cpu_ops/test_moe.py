@@ -87,7 +87,8 @@ def layer(scheme, kind, E=8, H=200, I=100, pool=None, **kw):
 def quantized_ref(m, x, ids, w, mask=None):
     q13 = [unpack(m.w13.expert(e)) for e in range(m.num_experts)]
     q2 = [unpack(m.w2.expert(e)) for e in range(m.num_experts)]
-    return ref.moe_forward_quantized(x, ids, w, q13, q2, skip_mask=mask)
+    return ref.moe_forward_quantized(x, ids, w, q13, q2, skip_mask=mask,
+                                     activations=m.activations)
 
 
 def routing(rng, T, E, K, skip_frac=0.1):
@@ -131,6 +132,41 @@ def test_driver_shapes_with_contract_doubles(scheme, pool):
     x = rng.standard_normal((5, H), dtype=np.float32)
     out = m(x, -np.ones((5, 3), np.int64), np.ones((5, 3), np.float32))
     assert np.array_equal(out, np.zeros((5, H), np.float32))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_two_level_activations_doubles(scheme, pool):
+    """activations="int8x2": two int8 rows per slot through the same kernels, summed; checked
+    against the reference's two-level arithmetic, across chunks, masks and split tasks."""
+    m1 = layer(scheme, "double", pool=pool)[0]
+    m = CPUMoE(m1.w13, m1.w2, pool=pool, kernels=DOUBLES[scheme], activations="int8x2")
+    assert m.levels == 2 and "int8x2" in repr(m)
+    rng = np.random.default_rng(5)
+    E, H = m.num_experts, m.hidden
+    gmask = np.zeros(E, bool)
+    gmask[[1, 4]] = True
+    for T in (1, 7, 64):
+        x = rng.standard_normal((T, H), dtype=np.float32)
+        ids, w = routing(rng, T, E, 3)
+        out = m(x, ids, w, gpu_mask=gmask)
+        check_tight(m, x, ids, w, out, mask=gmask, what=f"int8x2 {scheme} T={T}")
+        split = CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme], activations="int8x2",
+                       chunk_tokens=5)
+        split.blocks_per_task = (4, 4)
+        assert_close(out, split(x, ids, w, gpu_mask=gmask), rtol=1e-6, atol=1e-7,
+                     what=f"int8x2 {scheme} T={T} chunks of 5, split tasks")
+    # the second level really adds precision: closer to the fp32 layer than one level
+    x = rng.standard_normal((32, H), dtype=np.float32)
+    ids, w = routing(rng, 32, E, 3, skip_frac=0.0)
+    exact = quantized_ref(CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme]), x, ids, w)
+    q13 = [unpack(m.w13.expert(e)) for e in range(E)]
+    q2 = [unpack(m.w2.expert(e)) for e in range(E)]
+    w13 = np.stack([ref.dequantize(q) for q in q13])
+    w2 = np.stack([ref.dequantize(q) for q in q2])
+    wonly = ref.moe_forward(x, ids, w, w13, w2)
+    e1 = ref.relative_error(exact, wonly)
+    e2 = ref.relative_error(m(x, ids, w), wonly)
+    assert e2 < 0.1 * e1, (e1, e2)
 
 
 @pytest.mark.parametrize("scheme", ["int8"])
@@ -205,6 +241,15 @@ def test_nan_and_inf_propagate_per_token(pool):
         assert not np.isfinite(out[2]).any(), scheme
         assert np.isfinite(out[[0, 3]]).all(), scheme
         check_tight(m, x[[0, 3]], ids[[0, 3]], w[[0, 3]], out[[0, 3]], what=f"{scheme} finite rows")
+
+
+def test_bad_activation_modes(pool):
+    m = layer("int8", "double", pool=pool)[0]
+    with pytest.raises(ValueError, match="activations must be one of"):
+        CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES["int8"], activations="int16")
+    mb = layer("bf16", "double", pool=pool)[0]
+    with pytest.raises(ValueError, match="integer schemes"):
+        CPUMoE(mb.w13, mb.w2, pool=pool, kernels=DOUBLES["bf16"], activations="int8x2")
 
 
 def test_bad_input_errors(pool):
@@ -286,6 +331,8 @@ def test_registry_kernels_tight(scheme, variant, pool):
 # below what the reference quantisers (per-row int8 / G=64 int4 weights, per-token int8
 # activations of h) allow on Gaussian weights; these bounds are the measured error + margin.
 ACCURACY = {"int8": 0.03, "int4": 0.25, "bf16": 0.005}
+# two-level activations (activations="int8x2") leave the weight error alone: the issue's 0.015
+ACCURACY_X2 = {"int8": 0.015, "int4": 0.25}
 
 
 @pytest.mark.parametrize("scheme,variant", BEST or [pytest.param(
@@ -296,14 +343,20 @@ def test_accuracy_vs_fp32(scheme, variant, pool):
     g, u, d = random_expert_weights(E, H, I, seed=11)
     gb, ub, db = (torch.from_numpy(a).to(torch.bfloat16) for a in (g, u, d))
     m = CPUMoE.from_tensors(gb, ub, db, scheme=scheme, pool=pool, variant=variant)
+    layers = [(m, ACCURACY[scheme])]
+    if scheme in ACCURACY_X2:
+        layers.append((CPUMoE(m.w13, m.w2, pool=pool, variant=variant, activations="int8x2"),
+                       ACCURACY_X2[scheme]))
     rng = np.random.default_rng(7)
     w13 = torch.cat([gb, ub], 1).float().numpy()
     for T in (4, 512):
         x = torch.from_numpy(rng.standard_normal((T, H), dtype=np.float32)).to(torch.bfloat16)
         ids, w = routing(rng, T, E, K, skip_frac=0.0)
-        out = m(x.float(), ids, w)
         r = ref.moe_forward(x.float(), ids, w, w13, db.float().numpy())
-        err = ref.relative_error(out, r)
-        print(f"\n{scheme}/{variant} T={T}: relative error vs fp32 {err:.4f}")
-        assert err <= ACCURACY[scheme], (scheme, T, err)
-        check_tight(m, x.float().numpy(), ids, w, out, what=f"{scheme} T={T} tight")
+        for lay, bound in layers:
+            out = lay(x.float(), ids, w)
+            err = ref.relative_error(out, r)
+            print(f"\n{scheme}/{variant} activations={lay.activations} T={T}: relative error vs "
+                  f"fp32 {err:.4f} (bound {bound})")
+            assert err <= bound, (scheme, lay.activations, T, err)
+            check_tight(lay, x.float().numpy(), ids, w, out, what=f"{scheme} T={T} tight")

@@ -54,6 +54,28 @@ def test_kt_matches_reference_backend():
         torch.testing.assert_close(la, lb, rtol=0, atol=2e-3, msg=f"{scheme}")
 
 
+def test_two_level_activations_are_closer_to_transformers():
+    """PatchConfig(activations="int8x2"): INT8 experts with two-level activations agree with
+    the reference backend's two-level arithmetic and are closer to unpatched transformers than
+    per-token int8 activations."""
+    require_kt_backend()
+    ref = tiny_model("qwen3_moe")
+    prompts = random_prompts(ref.config.vocab_size, n=3, length=24, seed=0)
+    one = patch_model(copy.deepcopy(ref), PatchConfig(scheme="int8"), progress=False)
+    two = patch_model(copy.deepcopy(ref), PatchConfig(scheme="int8", activations="int8x2"),
+                      progress=False)
+    a1 = compare_models(ref, one, prompts, greedy_steps=0)
+    a2 = compare_models(ref, two, prompts, greedy_steps=0)
+    print(f"int8: {a1}\nint8x2: {a2}")
+    assert a2.mean_kl < a1.mean_kl and a2.mean_kl <= KL_BOUNDS["int8"]
+    with pytest.warns(UserWarning, match="reference"):
+        spec = patch_model(copy.deepcopy(ref), PatchConfig(scheme="int8", activations="int8x2",
+                                                           backend="reference"), progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(two(prompts[0]).logits, spec(prompts[0]).logits, rtol=0,
+                                   atol=2e-3)
+
+
 def test_only_the_experts_are_replaced_and_freed():
     require_kt_backend()
     for family in ("qwen2_moe", "deepseek_v3"):
@@ -156,6 +178,8 @@ def test_already_patched_and_nothing_changed_on_failure():
     (dict(threads=0), "threads must be a positive int"),
     (dict(deferral=-1), "deferral must be an int >= 0"),
     (dict(backend="cuda"), "backend must be one of"),
+    (dict(scheme="int8", activations="int16"), "activations must be"),
+    (dict(scheme="bf16", activations="int8x2"), "applies to the int8 and int4"),
 ])
 def test_patch_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
