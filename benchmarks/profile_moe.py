@@ -105,6 +105,33 @@ def _amx_variants(scheme):
     return {"blocked": k}
 
 
+def bandwidth(threads, gib=4.0):
+    """All-thread read bandwidth: ``threads`` Python threads (nogil kernel) each read their slice
+    of a ``gib`` GiB buffer; total bytes / wall time, best of 3 passes (B/s)."""
+    import threading
+
+    from bench_gemm import _read_bw
+
+    buf = np.ones(int(gib * (1 << 30)), np.uint8)
+    _read_bw(buf, 0, 1 << 20, 4)
+    sl = len(buf) // threads // (4 << 20) * (4 << 20)
+
+    def work(i):
+        for o in range(i * sl, (i + 1) * sl, 4 << 20):
+            _read_bw(buf, o, o + (4 << 20), 4)
+
+    best = 0.0
+    for _ in range(3):
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        best = max(best, sl * threads / (time.perf_counter() - t0))
+    return best
+
+
 def _timed(f):
     t0 = time.perf_counter()
     f()
@@ -182,12 +209,18 @@ def main(argv=None):
     ap.add_argument("--schemes", default="int8,int4,bf16")
     ap.add_argument("--T", default="1,512,2048")
     ap.add_argument("--variants", action="store_true", default=True)
+    ap.add_argument("--variant-T", default="512,2048")
+    ap.add_argument("--no-gemm", action="store_true", help="skip the one-core GEMM part")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
+    a.variant_T = [int(t) for t in a.variant_T.split(",")]
     rng = np.random.default_rng(0)
     rows = []
     variant = isa.detect().variant
     print(f"variant {variant}, threads {a.threads}, tsc {tsc_hz() / 1e9:.2f} GHz", flush=True)
+    bw = bandwidth(a.threads)
+    rows.append({"part": "bandwidth", "threads": a.threads, "GBps": round(bw / 1e9, 2)})
+    print(f"read bandwidth, {a.threads} threads: {bw / 1e9:.1f} GB/s", flush=True)
     pool = CpuPool(a.threads)
     Ts = [int(t) for t in a.T.split(",")]
     pool_bytes = int(a.pool_gb * 2**30)
@@ -198,10 +231,15 @@ def main(argv=None):
         print(f"{sname}: {len(layers)} copies built in {time.time() - t0:.0f} s", flush=True)
         for T in Ts:
             r = profile(layers, T, 6 if T >= 512 else 20, rng, a.shape)
-            r.update(part="profile", scheme=sname, T=T)
+            E, K, H, I = SHAPES[a.shape]
+            hit = E * (1 - (1 - K / E) ** T)  # expected distinct experts under uniform routing
+            floor_ms = hit * layers[0].nbytes / E / bw * 1e3
+            r.update(part="profile", scheme=sname, T=T, bw_floor_ms=round(floor_ms, 3),
+                     frac_of_bw_floor=round(floor_ms / r["wall_min_ms"], 3))
             rows.append(r)
             ph = "  ".join(f"{k} {v['busy_ms']:.2f}/{v['wait_ms']:.2f}" for k, v in r["phases"].items())
-            print(f"  T={T:5d} wall min {r['wall_min_ms']:.2f} med {r['wall_median_ms']:.2f} ms | "
+            print(f"  T={T:5d} wall min {r['wall_min_ms']:.2f} med {r['wall_median_ms']:.2f} ms "
+                  f"({100 * r['frac_of_bw_floor']:.0f} % of the bandwidth floor) | "
                   f"busy/wait ms (sum over threads): {ph}", flush=True)
         if a.variants:
             kv, km, _ = _kernel_pair(scheme, None)
@@ -214,11 +252,14 @@ def main(argv=None):
             for L in split:
                 L.blocks_per_task = (48, 64)
             vars_["split"] = split
+            if scheme is not QuantScheme.BF16:
+                vars_["int8x2"] = [CPUMoE(L.w13, L.w2, pool=pool, activations="int8x2")
+                                   for L in layers]
             if sname == "int8":
                 vars_["chunk1024"] = [CPUMoE(L.w13, L.w2, pool=pool, chunk_tokens=1024)
                                       for L in layers]
-            for T in (512, 2048):
-                res = interleaved(vars_, T, 6, rng, a.shape)
+            for T in a.variant_T:
+                res = interleaved(vars_, T, 6 if T >= 512 else 20, rng, a.shape)
                 for n, v in res.items():
                     rows.append({"part": "variants", "scheme": sname, "T": T, "variant": n, **v})
                 print(f"  variants T={T}: " + "  ".join(
@@ -226,7 +267,7 @@ def main(argv=None):
             del vars_
         del layers
     pool.shutdown()
-    if variant == "amx":
+    if variant == "amx" and not a.no_gemm:
         gemm_alone(rows, rng)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
