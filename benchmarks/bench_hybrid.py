@@ -7,6 +7,8 @@ Sections (each independent; a failure is recorded and the script goes on):
   correctness  HybridMoE (25 % GPU) vs the fp32 reference of the same quantised weights
   overlap      qwen3-30b-a3b layer, INT8 CPU experts, 0/25/50/100 % of experts on the GPU,
                T in {1, 8, 64, 512, 4096}: hybrid time vs max(CPU part alone, GPU part alone)
+  graph_overlap  the same for T in {1, 8} with the layer (and the GPU part alone) replayed from
+               CUDA graphs, as decode runs it
   graph        a 4-layer decode step captured in a CUDA graph, replayed: identical to eager?
   concurrency  forwards on one stream while another thread keeps calling update_placement
   prefill      T=4096 with layer-wise GPU prefill vs the CPU path, and what "auto" picks
@@ -115,6 +117,50 @@ def section_overlap(cpu, dev, res, reps):
             print(f"overlap frac={frac:.2f} T={t:5d} hybrid {hyb[0]*1e3:8.3f} ms  cpu {cpu_alone[0]*1e3:8.3f}"
                   f"  gpu {gpu_alone[0]*1e3:8.3f}  ratio {rows[-1]['ratio_to_max']}", flush=True)
     res["overlap"] = rows
+
+
+def section_graph_overlap(cpu, dev, res, reps):
+    """Decode-sized overlap as decode runs it: one hybrid layer captured in a CUDA graph (kt's
+    GraphRunner) and replayed, against the CPU part alone and the GPU part alone replayed from
+    its own graph; each timing includes one host synchronisation."""
+    from kt._stream_bridge import GraphRunner
+    from kt.gpu_ops import fused_moe
+
+    gen = torch.Generator().manual_seed(4)
+    rows = []
+    for frac in (0.25, 0.5):
+        row = placement_row(frac, E, 2)
+        layer = HybridMoE(cpu, row, device=dev)
+        g = layer._gpu
+        for t in (1, 8):
+            x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+            ids, w = routing(t, E, K, gen, dev)
+            layer(x, ids, w)
+            torch.cuda.synchronize()
+            runner = GraphRunner()
+            with runner.capture():
+                layer(x, ids, w)
+            hyb = timed(runner.replay, 5 * reps)
+            gg = torch.cuda.CUDAGraph()
+            fused_moe(x, ids, w, g["e2s"], g["w13"], g["w2"], w13_scale=g["w13_scale"],
+                      w2_scale=g["w2_scale"])
+            torch.cuda.synchronize()
+            with torch.cuda.graph(gg):
+                fused_moe(x, ids, w, g["e2s"], g["w13"], g["w2"], w13_scale=g["w13_scale"],
+                          w2_scale=g["w2_scale"])
+            gpu_alone = timed(gg.replay, 5 * reps)
+            xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
+            cpu_alone = timed(lambda: cpu(xc, ic, wc, gpu_mask=row >= 0), 5 * reps)
+            bound = max(cpu_alone[0], gpu_alone[0])
+            rows.append(dict(gpu_frac=frac, T=t, hybrid_graph_min_ms=hyb[0] * 1e3,
+                             hybrid_graph_med_ms=hyb[1] * 1e3, cpu_alone_min_ms=cpu_alone[0] * 1e3,
+                             gpu_alone_graph_min_ms=gpu_alone[0] * 1e3,
+                             ratio_to_max=hyb[0] / bound,
+                             target_ok=hyb[0] <= 1.15 * bound + 50e-6))
+            print(f"graph overlap frac={frac:.2f} T={t}: hybrid {hyb[0] * 1e3:.3f} ms (med "
+                  f"{hyb[1] * 1e3:.3f})  cpu {cpu_alone[0] * 1e3:.3f}  gpu {gpu_alone[0] * 1e3:.3f}"
+                  f"  ratio {rows[-1]['ratio_to_max']:.2f}  ok {rows[-1]['target_ok']}", flush=True)
+    res["graph_overlap"] = rows
 
 
 def section_graph(cpu, dev, res):
@@ -256,6 +302,7 @@ def main():
     for name in args.sections.split(","):
         fn = {"correctness": lambda: section_correctness(cpu, dev, res),
               "overlap": lambda: section_overlap(cpu, dev, res, args.reps),
+              "graph_overlap": lambda: section_graph_overlap(cpu, dev, res, args.reps),
               "graph": lambda: section_graph(cpu, dev, res),
               "concurrency": lambda: section_concurrency(cpu, dev, res),
               "prefill": lambda: section_prefill(cpu, dev, res, max(3, args.reps // 3))}[name]
