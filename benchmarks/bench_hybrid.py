@@ -163,6 +163,41 @@ def section_graph_overlap(cpu, dev, res, reps):
     res["graph_overlap"] = rows
 
 
+def section_switch(cpu, dev, res, reps):
+    """Eager decode-sized calls under several GIL switch intervals (sys.setswitchinterval): the
+    stream service thread needs the GIL to start the CPU part while the launching thread holds
+    it, so the interval bounds how late the CPU part starts."""
+    import sys
+
+    gen = torch.Generator().manual_seed(5)
+    old = sys.getswitchinterval()
+    cases = []
+    for frac in (0.25, 0.5, 1.0):
+        row = placement_row(frac, E, 2)
+        layer = HybridMoE(cpu, row, device=dev)
+        for t in (1, 8):
+            x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+            ids, w = routing(t, E, K, gen, dev)
+            xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
+            mask = row >= 0
+            cpu_alone = timed(lambda: cpu(xc, ic, wc, gpu_mask=mask), 2 * reps)
+            cases.append((frac, t, layer, x, ids, w, cpu_alone[0]))
+    rows = []
+    try:
+        for si in (5e-3, 1e-3, 2e-4, 5e-5):
+            sys.setswitchinterval(si)
+            for frac, t, layer, x, ids, w, cpu_t in cases:
+                hyb = timed(lambda: layer(x, ids, w), 2 * reps)
+                rows.append(dict(switch_interval_s=si, gpu_frac=frac, T=t,
+                                 hybrid_min_ms=hyb[0] * 1e3, hybrid_med_ms=hyb[1] * 1e3,
+                                 cpu_alone_min_ms=cpu_t * 1e3))
+                print(f"switch {si:g} frac={frac:.2f} T={t}: hybrid {hyb[0] * 1e3:.3f} ms (med "
+                      f"{hyb[1] * 1e3:.3f})  cpu alone {cpu_t * 1e3:.3f}", flush=True)
+    finally:
+        sys.setswitchinterval(old)
+    res["switch"] = rows
+
+
 def section_graph(cpu, dev, res):
     from kt._stream_bridge import GraphRunner
     from kt.hybrid import DeferredChain
@@ -303,6 +338,7 @@ def main():
         fn = {"correctness": lambda: section_correctness(cpu, dev, res),
               "overlap": lambda: section_overlap(cpu, dev, res, args.reps),
               "graph_overlap": lambda: section_graph_overlap(cpu, dev, res, args.reps),
+              "switch": lambda: section_switch(cpu, dev, res, args.reps),
               "graph": lambda: section_graph(cpu, dev, res),
               "concurrency": lambda: section_concurrency(cpu, dev, res),
               "prefill": lambda: section_prefill(cpu, dev, res, max(3, args.reps // 3))}[name]

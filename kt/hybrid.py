@@ -406,6 +406,10 @@ class HybridMoE:
 
         if gpu is None:  # every expert on the CPU: the CPU part is the whole layer
             return self._cuda_cpu_part(x, topk_ids, topk_weights, cpu_expert, gpu_mask, None)
+        if gpu_mask.all():  # every expert on the GPU: no CPU part (and nothing to defer)
+            out = fused_moe(x, topk_ids, topk_weights, gpu["e2s"], gpu["w13"], gpu["w2"],
+                            w13_scale=gpu["w13_scale"], w2_scale=gpu["w2_scale"])
+            return self._add_pending(out)
         return self._cuda_cpu_part(x, topk_ids, topk_weights, cpu_expert, gpu_mask,
                                    lambda: fused_moe(x, topk_ids, topk_weights, gpu["e2s"], gpu["w13"],
                                                      gpu["w2"], w13_scale=gpu["w13_scale"],
