@@ -171,3 +171,28 @@ def test_dynamic_replacement_follows_the_routing():
         assert set(np.nonzero(row >= 0)[0]) == {6, 7}
     dyn.detach()
     assert layers[0].observer is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (HybridMoE's GPU experts)")
+@pytest.mark.parametrize("frac", [0.0, 0.5, 1.0])
+def test_cuda_placements_match_the_cpu_layer(weights, frac):
+    """On a GPU: all-CPU, half and all-GPU placements (the last one runs the Triton experts alone)
+    agree with the same layer computed on the CPU within the GPU kernels' bf16 rounding."""
+    gate, up, down = weights
+    row = np.full(E, -1, np.int64)
+    n = int(round(frac * E))
+    row[np.arange(0, E, max(1, E // max(n, 1)))[:n]] = np.arange(n)
+    # two-level activations: the CPU side's activation rounding is negligible, so what is left
+    # between the two is the GPU's bf16 arithmetic on the same dequantised INT8 weights
+    cpu_only = HybridMoE.from_tensors(gate, up, down, None, scheme="int8", activations="int8x2")
+    layer = HybridMoE(cpu_only.cpu, row, device="cuda")
+    rng = np.random.default_rng(3)
+    for t in (1, 9):
+        x = torch.from_numpy(rng.standard_normal((t, H)).astype(np.float32)).to(torch.bfloat16)
+        ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(t)]))
+        w = torch.from_numpy(rng.random((t, K), dtype=np.float32))
+        want = cpu_only(x.float(), ids, w)
+        got = layer(x.cuda(), ids.cuda(), w.cuda()).float().cpu()
+        # bf16 outputs and the GPU's bf16 SiLU*up intermediate: ~3e-3 relative
+        assert ref.relative_error(got, want) < 1e-2, (frac, t, ref.relative_error(got, want))
+        assert layer.stats.last_path == "hybrid"

@@ -11,6 +11,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="how the CPU experts are stored and computed (default: int8)")
     p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
                    help="INT4 group size G (default: 64)")
+    p.add_argument("--activations", default="int8", choices=["int8", "int8x2"],
+                   help="int8 / int4 experts: per-token int8 activations (default) or two int8 "
+                        "levels (more accurate, about 2x the prefill compute)")
     p.add_argument("--weights", metavar="KT_DIR", default=None,
                    help="a kt weight directory (`kt convert`) to load the experts from, instead of "
                         "converting the model's own weights at start-up")
@@ -42,8 +45,10 @@ def _load(args):
             from ..placement import Placement
 
             placement = Placement.load(args.placement)
+        acts = args.activations if args.scheme != "bf16" else "int8"
         patch = PatchConfig(scheme=args.scheme, group_size=args.group_size, threads=args.threads,
-                            weight_path=args.weights, placement=placement, backend=args.backend)
+                            weight_path=args.weights, placement=placement, backend=args.backend,
+                            activations=acts)
     print(f"loading {args.model_dir} ({'transformers only' if patch is None else f'experts on kt, {args.scheme}'})",
           file=sys.stderr, flush=True)
     return load_model(args.model_dir, patch, device=args.device, dtype=args.dtype)

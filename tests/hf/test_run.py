@@ -46,7 +46,7 @@ def test_chat_cli_fed_stdin(model_dir, capsys, monkeypatch):
     require_kt_backend()
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi there\nwhat is a processor?\n/exit\nnever read\n"))
     rc = main(["chat", str(model_dir), "--max-new-tokens", "5", "--scheme", "int8", "--device", "cpu",
-               "--dtype", "fp32"])
+               "--dtype", "fp32", "--activations", "int8x2"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "chat template" in out
