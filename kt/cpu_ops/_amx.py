@@ -341,31 +341,26 @@ def unpack_int4_line(typingctx, src, si, dst, di):
     return types.none(src, si, dst, di), codegen
 
 
-@intrinsic
-def prefetch_l1(typingctx, ary, index):
-    """Software prefetch of the cache line holding ary[index] into L1 (prefetcht0)."""
-    _check_mem(ary, index, "prefetch_l1")
+def _prefetch(what: str, locality: int):
+    """An intrinsic for a software prefetch (``llvm.prefetch`` read hint of ``locality``)."""
 
-    def codegen(context, builder, sig, args):
-        p = builder.bitcast(_vptr(context, builder, sig, args, 0, _I8X64), _PTR)
-        i32 = ir.IntType(32)
-        _call(builder, "llvm.prefetch.p0", [_PTR, i32, i32, i32],
-              [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
+    def typer(typingctx, ary, index):
+        _check_mem(ary, index, what)
 
-    return types.none(ary, index), codegen
+        def codegen(context, builder, sig, args):
+            p = builder.bitcast(_vptr(context, builder, sig, args, 0, _I8X64), _PTR)
+            i32 = ir.IntType(32)
+            _call(builder, "llvm.prefetch.p0", [_PTR, i32, i32, i32],
+                  [p, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.none(ary, index), codegen
+
+    typer.__name__ = what
+    return intrinsic(typer)
 
 
-@intrinsic
-def prefetch_l2(typingctx, ary, index):
-    """Software prefetch of the cache line holding ary[index] into L2 (prefetcht1)."""
-    _check_mem(ary, index, "prefetch_l2")
-
-    def codegen(context, builder, sig, args):
-        p = builder.bitcast(_vptr(context, builder, sig, args, 0, _I8X64), _PTR)
-        i32 = ir.IntType(32)
-        _call(builder, "llvm.prefetch.p0", [_PTR, i32, i32, i32],
-              [p, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return types.none(ary, index), codegen
+# prefetch_l1(ary, index) / prefetch_l2(ary, index): the cache line holding ary[index] into L1
+# (prefetcht0) / L2 (prefetcht1)
+prefetch_l1 = _prefetch("prefetch_l1", 3)
+prefetch_l2 = _prefetch("prefetch_l2", 2)

@@ -45,6 +45,8 @@ from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, require_amx, row
 AMX_MODE = require_amx()
 cache.install()
 
+_NO_XS = np.zeros(1, np.float32)  # the activation/weight scales of a BF16 _gemm_pipe call (unused)
+
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
            "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "peak_int8", "peak_bf16", "default_mc"]
@@ -335,17 +337,19 @@ def _pipe_pair_prefetch(b, nb1, blk, npan, ks):
 
 
 @njit(nogil=True, cache=True)
-def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, pfb, l2):
-    """Large-M INT8, software-pipelined (``_pipe_panel``), whole K per panel, mc rows per M chunk;
-    pfb: L1 prefetch distance of cold B (k-steps, 0: none); l2: prefetch the next block pair
-    into L2 while this one is computed. Same result as ``gemv_int8``."""
-    m_all = xq.shape[0]
-    ks = xq.shape[1] // 64
+def _gemm_pipe(a, data, out, nb0, nb1, mc, pfb, l2, bf, xs, scale):
+    """The pipelined large-M GEMM of ``gemm_int8_pipe`` (bf False: int8 A, int32 products scaled
+    by xs[m] * scale[n]) and ``gemm_bf16_pipe`` (bf True: bf16-bits A, fp32 products copied)."""
+    m_all = a.shape[0]
+    kel = 64 // a.itemsize          # A elements per 64-byte k-step row
+    ks = a.shape[1] // kel
+    sb = 1024 // data.itemsize      # data elements per k-step tile
     ost = out.strides[0] // 4
-    blk = data.shape[1] * 64
-    ap = _pack_a(xq, ks, 64)
+    blk = data.shape[1] * (32 if bf else 64)
+    ap = _pack_a(a, ks, kel)
     mpad = ap.shape[0] * 16
     cp = np.empty((32, 32), np.int32)
+    cpf = cp.view(np.float32)
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
     for mc0 in range(0, mpad, mc):
@@ -360,8 +364,8 @@ def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, pfb, l2):
                 per = 0
             pl = 0
             for mp in range(mc0, mc1, 32):
-                a0 = (mp // 16) * ks * 1024
-                pl = _pipe_panel(ap, a0, a0 + ks * 1024, data, o0, o1, ks, 1024, False,
+                a0 = (mp // 16) * ks * sb
+                pl = _pipe_panel(ap, a0, a0 + ks * sb, data, o0, o1, ks, sb, bf,
                                  pfb if mp == mc0 else 0, n0, n1, pl, per, nlines)
                 tilestored64(0, cp, 0, 128)
                 tilestored64(1, cp, 16, 128)
@@ -369,51 +373,33 @@ def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, pfb, l2):
                 tilestored64(3, cp, 528, 128)
                 n0c = 16 * b
                 for i in range(min(32, m_all - mp)):
-                    xm = xs[mp + i]
-                    row16_scale_store(out, (mp + i) * ost + n0c, cp, i * 32, scale, n0c, xm)
+                    oi = (mp + i) * ost + n0c
+                    if bf:
+                        copy64(out, oi, cpf, i * 32)
+                    else:
+                        row16_scale_store(out, oi, cp, i * 32, scale, n0c, xs[mp + i])
                     if b + 1 < nb1:
-                        row16_scale_store(out, (mp + i) * ost + n0c + 16, cp, i * 32 + 16,
-                                          scale, n0c + 16, xm)
+                        if bf:
+                            copy64(out, oi + 16, cpf, i * 32 + 16)
+                        else:
+                            row16_scale_store(out, oi + 16, cp, i * 32 + 16, scale, n0c + 16,
+                                              xs[mp + i])
     tilerelease()
+
+
+@njit(nogil=True, cache=True)
+def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, pfb, l2):
+    """Large-M INT8, software-pipelined (``_pipe_panel``), whole K per panel, mc rows per M chunk;
+    pfb: L1 prefetch distance of cold B (k-steps, 0: none); l2: prefetch the next block pair
+    into L2 while this one is computed. Same result as ``gemv_int8``."""
+    _gemm_pipe(xq, data, out, nb0, nb1, mc, pfb, l2, False, xs, scale)
 
 
 @njit(nogil=True, cache=True)
 def gemm_bf16_pipe(xb, data, out, nb0, nb1, mc, pfb, l2):
     """Large-M BF16 with the pipelined panel of ``gemm_int8_pipe`` (tdpbf16ps, 32 k per step).
     Same result as ``gemm_bf16`` (the same per-panel fp32 summation order over K)."""
-    m_all = xb.shape[0]
-    ks = xb.shape[1] // 32
-    ost = out.strides[0] // 4
-    blk = data.shape[1] * 32
-    ap = _pack_a(xb, ks, 32)
-    mpad = ap.shape[0] * 16
-    cp = np.empty((32, 32), np.float32)
-    cfg = np.zeros(64, np.uint8)
-    _config(cfg, 16, 64)
-    for mc0 in range(0, mpad, mc):
-        mc1 = min(mc0 + mc, mpad)
-        npan = (mc1 - mc0) // 32
-        for b in range(nb0, nb1, 2):
-            o0 = b * blk
-            o1 = o0 + blk if b + 1 < nb1 else o0
-            n0, n1, nlines, per = _pipe_pair_prefetch(b, nb1, blk, npan, ks)
-            if not l2:
-                per = 0
-            pl = 0
-            for mp in range(mc0, mc1, 32):
-                a0 = (mp // 16) * ks * 512
-                pl = _pipe_panel(ap, a0, a0 + ks * 512, data, o0, o1, ks, 512, True,
-                                 pfb if mp == mc0 else 0, n0, n1, pl, per, nlines)
-                tilestored64(0, cp, 0, 128)
-                tilestored64(1, cp, 16, 128)
-                tilestored64(2, cp, 512, 128)
-                tilestored64(3, cp, 528, 128)
-                n0c = 16 * b
-                for i in range(min(32, m_all - mp)):
-                    copy64(out, (mp + i) * ost + n0c, cp, i * 32)
-                    if b + 1 < nb1:
-                        copy64(out, (mp + i) * ost + n0c + 16, cp, i * 32 + 16)
-    tilerelease()
+    _gemm_pipe(xb, data, out, nb0, nb1, mc, pfb, l2, True, _NO_XS, _NO_XS)
 
 
 @njit(nogil=True, cache=True)
