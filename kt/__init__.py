@@ -16,6 +16,7 @@ _LAZY = {
     "UnsupportedVariantError": "kt.cpu_ops.isa:UnsupportedVariantError",
     "CpuPool": "kt.cpu_ops.pool:CpuPool",
     "CPUMoE": "kt.cpu_ops.moe:CPUMoE",
+    "NumaMoE": "kt.cpu_ops.numa:NumaMoE",
     "KTMoEWrapper": "kt.wrapper:KTMoEWrapper",
     "HybridMoE": "kt.hybrid:HybridMoE",
     "Placement": "kt.placement:Placement",

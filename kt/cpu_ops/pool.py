@@ -473,13 +473,21 @@ class CpuPool:
         most as many threads as CPUs); None = only when the pool owns every CPU of the affinity set.
     spin_us: how long idle workers (and a waiting caller) spin before they block.
     caller_joins: the thread in ``wait()`` takes part in the job (see the module docstring).
+    cpus: the CPUs the pool's threads may run on (default: the process's affinity set), e.g. one
+        NUMA node's for a per-node pool.
     """
 
     def __init__(self, num_threads: int | None = None, *, pin: bool | None = None,
-                 spin_us: float = 2000.0, caller_joins: bool = True):
+                 spin_us: float = 2000.0, caller_joins: bool = True, cpus=None):
         from ..config import get_config
 
         allowed = sorted(os.sched_getaffinity(0))
+        if cpus is not None:
+            want = sorted({int(c) for c in cpus})
+            if not want or not set(want) <= set(allowed):
+                raise ValueError(f"cpus must be a non-empty subset of this process's CPUs "
+                                 f"{allowed}, got {list(cpus)!r}")
+            allowed = want
         if num_threads is None:
             num_threads = get_config().num_threads or len(allowed)
         if (not isinstance(num_threads, (int, np.integer)) or isinstance(num_threads, bool)
@@ -499,6 +507,9 @@ class CpuPool:
         self.spin_us = float(spin_us)
         # the caller's own CPU is the last of the list: background threads take the others
         self.placements = self._place(num_threads, nodes, self.pinned)[: self.num_workers]
+        if cpus is not None:  # unpinned threads still stay on the given CPUs (their node's)
+            self.placements = [pl if pl.cpus else _Placement(pl.node, list(nodes[pl.node]))
+                               for pl in self.placements]
         self._spin_iters = max(1, int(spin_us * 1000 / _PAUSE_NS))
         self._state = _State(num_threads, self._spin_iters)
         self._kinds: dict[int, int] = {}
