@@ -164,8 +164,8 @@ class KTMoEWrapper:
         if lw.scheme is not self.scheme:
             raise ValueError(f"{self.weight_path}: layer {self.layer_idx} is {lw.scheme.value}, but "
                              f"method={self.method!r} expects {self.scheme.value}")
-        self._moe = CPUMoE(lw.w13, lw.w2, pool=self._pool_arg(),
-                           chunk_tokens=self.chunked_prefill_size)
+        self._moe = self._split_numa(CPUMoE(lw.w13, lw.w2, pool=self._pool_arg(),
+                                            chunk_tokens=self.chunked_prefill_size))
 
     def load_weights_from_tensors(self, gate_proj, up_proj, down_proj, physical_to_logical_map=None):
         """gate_proj/up_proj [E, I, H], down_proj [E, H, I] (bf16/fp16/fp32, torch or numpy),
@@ -181,16 +181,45 @@ class KTMoEWrapper:
         p2l = self._check_map(physical_to_logical_map)
         if p2l is not None and not np.array_equal(p2l, np.arange(E)):
             gate_proj, up_proj, down_proj = (_take(a, p2l) for a in (gate_proj, up_proj, down_proj))
-        self._moe = CPUMoE.from_tensors(gate_proj, up_proj, down_proj, scheme=self.scheme,
-                                        group_size=self.group_size or 64, pool=self._pool_arg(),
-                                        chunk_tokens=self.chunked_prefill_size)
+        moe = CPUMoE.from_tensors(gate_proj, up_proj, down_proj, scheme=self.scheme,
+                                  group_size=self.group_size or 64, pool=self._pool_arg(),
+                                  chunk_tokens=self.chunked_prefill_size)
+        self._moe = self._split_numa(moe)
+
+    def _split_numa(self, moe):
+        """kt-kernel's ``threadpool_count`` > 1 means one sub-pool per NUMA node: split the layer
+        across that many nodes (``kt.NumaMoE``; ``numa_nodes`` picks which) when this process
+        has them; with fewer nodes, warn and keep one pool."""
+        if self.threadpool_count <= 1:
+            return moe
+        import warnings
+
+        from .cpu_ops import pool as _pool
+        from .cpu_ops.numa import NumaMoE
+
+        nodes = _pool.numa_nodes()
+        if self.numa_nodes is not None:
+            want = [int(n) for n in self.numa_nodes]
+            missing = [n for n in want if n not in nodes]
+            if missing:
+                raise ValueError(f"numa_nodes {missing} are not NUMA nodes of this process "
+                                 f"(it has {sorted(nodes)})")
+            nodes = {n: nodes[n] for n in want}
+        if len(nodes) < self.threadpool_count:
+            warnings.warn(f"KTMoEWrapper: threadpool_count={self.threadpool_count} but this process "
+                          f"has {len(nodes)} NUMA node(s); using one thread pool", stacklevel=3)
+            return moe
+        keys = sorted(nodes)[: self.threadpool_count]
+        per = None if self.cpuinfer_threads is None else max(1, self.cpuinfer_threads // len(keys))
+        return NumaMoE.from_cpu_moe(moe, nodes={k: nodes[k] for k in keys}, threads_per_node=per)
 
     def _pool_arg(self):
         return None if self.cpuinfer_threads is None else self.pool
 
     @property
     def moe(self):
-        """The underlying ``kt.CPUMoE`` (after weights are loaded)."""
+        """The underlying ``kt.CPUMoE`` (``kt.NumaMoE`` when split across NUMA nodes), after
+        weights are loaded."""
         if self._moe is None:
             raise RuntimeError(f"KTMoEWrapper layer {self.layer_idx}: weights not loaded; call "
                                "load_weights() or load_weights_from_tensors() first")

@@ -160,3 +160,40 @@ def test_deferred_experts_land_in_the_next_layer():
     assert ref.relative_error(y0, r0) < 8e-3
     assert ref.relative_error(y1, r1) < 8e-3
     assert not KTMoEWrapper._deferred
+
+
+def test_threadpool_count_splits_across_numa_nodes(monkeypatch):
+    """kt-kernel's threadpool_count = one sub-pool per NUMA node: with two (stand-in) nodes the
+    layer becomes a kt.NumaMoE; with one node it warns and keeps one pool."""
+    import os
+
+    from kt.cpu_ops import pool as pool_mod
+    from kt.cpu_ops.numa import NumaMoE
+
+    cpus = sorted(os.sched_getaffinity(0))
+    inter = 256
+    g, u, d = (torch.from_numpy(a).to(torch.bfloat16)
+               for a in random_expert_weights(E, H, inter, seed=5))
+    x, ids, tw = _inputs(6, seed=4)
+    one = KTMoEWrapper(0, E, K, H, inter, None, 2, 1, None, 512, method="BF16")
+    one.load_weights_from_tensors(g, u, d)
+    with pytest.warns(UserWarning, match="NUMA node"):
+        w1 = KTMoEWrapper(0, E, K, H, inter, None, 2, 2, None, 512, method="BF16")
+        w1.load_weights_from_tensors(g, u, d)
+    assert not isinstance(w1.moe, NumaMoE)
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs for a stand-in two-node topology")
+    monkeypatch.setattr(pool_mod, "numa_nodes", lambda allowed=None: {0: [cpus[0]], 1: [cpus[-1]]})
+    w2 = KTMoEWrapper(0, E, K, H, inter, None, 2, 2, None, 512, method="BF16", numa_nodes=[0, 1])
+    w2.load_weights_from_tensors(g, u, d)
+    try:
+        assert isinstance(w2.moe, NumaMoE) and w2.moe.slices == [(0, 128), (128, 256)]
+        out = w2.forward(x, ids, tw)
+        assert out.dtype == torch.bfloat16
+        assert ref.relative_error(out.float(), one.forward(x, ids, tw).float()) < 5e-3
+        with pytest.raises(ValueError, match="not NUMA nodes"):
+            bad = KTMoEWrapper(0, E, K, H, inter, None, 2, 2, None, 512, method="BF16",
+                               numa_nodes=[7])
+            bad.load_weights_from_tensors(g, u, d)
+    finally:
+        w2.moe.shutdown()
