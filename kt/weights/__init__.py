@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from ._convert import convert, parse_layers, verify
 from ._format import FORMAT_VERSION, WeightFormatError
-from ._loader import LoadedExperts, NodeShard, NumaTopology, load_experts, shard_ranges
+from ._loader import (LoadedExperts, NodeShard, NumaTopology, load_experts, make_shards,
+                      shard_ranges)
 from ._sources import SourceError
 
 __all__ = ["convert", "verify", "load_experts", "LoadedExperts", "NodeShard", "NumaTopology",
+           "make_shards",
            "shard_ranges", "parse_layers", "WeightFormatError", "SourceError", "FORMAT_VERSION"]

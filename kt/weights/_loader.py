@@ -24,7 +24,8 @@ from ._format import WeightFormatError, checksum_of_same_kind, read_manifest
 from ._pack import fill_padding_rows, packed_array_specs
 from ._safetensors_io import SafetensorsFile
 
-__all__ = ["load_experts", "LoadedExperts", "NodeShard", "NumaTopology", "shard_ranges"]
+__all__ = ["load_experts", "LoadedExperts", "NodeShard", "NumaTopology", "shard_ranges",
+           "make_shards"]
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ def load_experts(out_dir, layer: int, physical_to_logical_map=None, *, scheme=No
     topo = topology or (NumaTopology.of_pool(pool) if pool is not None else None) or NumaTopology.detect()
     shards = ()
     if len(topo.nodes) > 1:
-        shards = _make_shards(w13, w2, I, topo)
+        shards = make_shards(w13, w2, I, topo)
     return LoadedExperts(int(layer), path, sch, g if sch is QuantScheme.INT4 else 0,
                          w13.data.shape[0], H, I, w13, w2, shards, p2l)
 
@@ -314,8 +315,13 @@ def take_cols(p: PackedWeight, d0: int, d1: int, g: int) -> PackedWeight:
     return PackedWeight(sch, p.n, d1 - d0, n_pad, d_pad, p.group_size, data, scale, wsum)
 
 
-def _make_shards(w13: PackedWeight, w2: PackedWeight, I: int, topo: NumaTopology):
+def make_shards(w13: PackedWeight, w2: PackedWeight, I: int, topo: NumaTopology,
+                up_offset: int | None = None) -> tuple[NodeShard, ...]:
+    """Each node's shard of the intermediate dimension (see the module doc), built in a thread
+    pinned to the node's CPUs; nodes whose share rounds to nothing get no shard. ``up_offset``:
+    the first up row of w13 (default I)."""
     g = w13.group_size or 64
+    up = I if up_offset is None else int(up_offset)
     align = max(D_ALIGN, g) if w13.scheme is QuantScheme.INT4 else D_ALIGN
     ranges = shard_ranges(I, [len(c) for c in topo.nodes], align)
 
@@ -324,7 +330,7 @@ def _make_shards(w13: PackedWeight, w2: PackedWeight, I: int, topo: NumaTopology
             os.sched_setaffinity(0, cpus)  # this thread only: its first touch places the pages
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot pin a thread to node {node}'s CPUs {list(cpus)}: {exc}") from None
-        rows = np.concatenate([np.arange(i0, i1), np.arange(I + i0, I + i1)])
+        rows = np.concatenate([np.arange(i0, i1), np.arange(up + i0, up + i1)])
         return NodeShard(node, tuple(cpus), i0, i1, take_rows(w13, rows, g), take_cols(w2, i0, i1, g))
 
     jobs = [(topo.node_id(k), c, i0, i1) for k, (c, (i0, i1)) in enumerate(zip(topo.nodes, ranges))

@@ -12,7 +12,7 @@ import torch
 
 from kt import reference as ref
 from kt.cpu_ops.moe import CPUMoE
-from kt.cpu_ops.numa import NumaMoE, split_intermediate
+from kt.cpu_ops.numa import NumaMoE
 from kt.cpu_ops.packing import unpack
 from kt.testing import random_expert_weights
 
@@ -20,19 +20,6 @@ CPUS = sorted(os.sched_getaffinity(0))
 TWO = {0: [CPUS[0]], 1: [CPUS[-1]]} if len(CPUS) >= 2 else None
 needs_two = pytest.mark.skipif(TWO is None, reason="needs two CPUs for a stand-in topology")
 E, H, I, K = 8, 256, 200, 3
-
-
-def test_split_intermediate():
-    assert split_intermediate(768, 2, 64) == [(0, 384), (384, 768)]
-    assert split_intermediate(200, 3, 64) == [(0, 64), (64, 128), (128, 200)]
-    assert split_intermediate(100, 1, 64) == [(0, 100)]
-    for inter, n, al in ((1408, 3, 64), (768, 4, 128), (300, 2, 64)):
-        s = split_intermediate(inter, n, al)
-        assert s[0][0] == 0 and s[-1][1] == inter
-        assert all(a % al == 0 and b > a for a, b in s)
-        assert all(s[i][1] == s[i + 1][0] for i in range(n - 1))
-    with pytest.raises(ValueError):
-        split_intermediate(100, 0, 64)
 
 
 def _inputs(T, seed=0):
@@ -133,9 +120,41 @@ def test_bad_topologies(weights):
         NumaMoE.from_cpu_moe(m, nodes={0: [max(CPUS) + 1000]})
     with pytest.raises(ValueError, match="threads_per_node"):
         NumaMoE.from_cpu_moe(m, nodes={0: CPUS}, threads_per_node=0)
-    with pytest.raises(ValueError, match="too small to split"):
-        NumaMoE.from_cpu_moe(m, nodes={i: [CPUS[0]] for i in range(5)})
+    # more nodes than 64-wide slices of I=200: the nodes whose share rounds to nothing get none
+    nm = NumaMoE.from_cpu_moe(m, nodes={i: [CPUS[0]] for i in range(5)})
+    try:
+        assert 1 < len(nm.shards) <= 4 and nm.slices[0][0] == 0 and nm.slices[-1][1] == I
+        x, ids, w = _inputs(5, seed=1)
+        assert ref.relative_error(nm(x, ids, w), m(x, ids, w)) < 1e-5
+    finally:
+        nm.shutdown()
     from kt.cpu_ops.pool import CpuPool
 
     with pytest.raises(ValueError, match="subset"):
         CpuPool(1, cpus=[max(CPUS) + 1000])
+
+
+@needs_two
+def test_from_kt_uses_the_loaders_shards(tmp_path):
+    """NumaMoE.from_kt: the loader builds the node shards (pinned first touch) from the kt weight
+    directory; the layer equals the same directory's unsharded CPUMoE split by from_cpu_moe."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "weights"))
+    from _checkpoints import small_checkpoint
+
+    from kt.weights import convert
+
+    src, _ = small_checkpoint(tmp_path, n_layers=1, n_e=E, hidden=H, inter=256)
+    out = tmp_path / "kt"
+    convert(src, out, "int8", 64, progress=False, threads=2)
+    a = NumaMoE.from_kt(out, 0, nodes=TWO)
+    b = NumaMoE.from_cpu_moe(CPUMoE.from_kt(out, 0), nodes=TWO)
+    try:
+        assert a.slices == b.slices == [(0, 128), (128, 256)]
+        x, ids, w = _inputs(9, seed=3)
+        assert np.array_equal(a(x, ids, w), b(x, ids, w))
+    finally:
+        a.shutdown()
+        b.shutdown()
