@@ -14,6 +14,7 @@ _SHAPES = {  # E, K, H, I
 
 
 def _layer(E, H, I, scheme, seed):
+    """A random layer; scheme "int8x2" / "int4x2" = INT8 / INT4 with two-level activations."""
     import numpy as np
 
     from ..cpu_ops.moe import CPUMoE
@@ -22,7 +23,8 @@ def _layer(E, H, I, scheme, seed):
     gate = rng.standard_normal((E, I, H), dtype=np.float32) / np.float32(np.sqrt(H))
     up = rng.standard_normal((E, I, H), dtype=np.float32) / np.float32(np.sqrt(H))
     down = rng.standard_normal((E, H, I), dtype=np.float32) / np.float32(np.sqrt(I))
-    return CPUMoE.from_tensors(gate, up, down, scheme=scheme)
+    acts = "int8x2" if scheme.endswith("x2") else "int8"
+    return CPUMoE.from_tensors(gate, up, down, scheme=scheme.removesuffix("x2"), activations=acts)
 
 
 def _run(args) -> int:
@@ -42,8 +44,13 @@ def _run(args) -> int:
     print(f"kt bench: {args.shape} (E={E} K={K} H={H} I={I}), {args.copies} weight copies "
           f"(cold weights when their total exceeds the caches), threads: "
           f"{pool.num_threads if pool else 'default pool'}")
-    print(f"{'scheme':<6} {'T':>6} {'min ms':>9} {'median ms':>10} {'GB/s':>7} {'tok/s':>9}")
-    for scheme in args.schemes.split(","):
+    print(f"{'scheme':<7} {'T':>6} {'min ms':>9} {'median ms':>10} {'GB/s':>7} {'tok/s':>9}")
+    schemes = args.schemes.split(",")
+    for scheme in schemes:
+        if scheme not in ("int8", "int4", "bf16", "int8x2", "int4x2"):
+            raise ValueError(f"unknown scheme {scheme!r}; choose from int8, int4, bf16, int8x2, "
+                             f"int4x2 (x2: two-level activations)")
+    for scheme in schemes:
         copies = [_layer(E, H, I, scheme, s) for s in tqdm(range(args.copies), leave=False,
                                                              desc=f"building {scheme} layers")]
         if pool is not None:
@@ -63,7 +70,7 @@ def _run(args) -> int:
                     hit.append(len(np.unique(ids)))
             tmin = min(times)
             gbs = statistics.mean(hit) * per_expert / tmin / 1e9
-            print(f"{scheme:<6} {T:>6} {tmin * 1e3:>9.3f} {statistics.median(times) * 1e3:>10.3f} "
+            print(f"{scheme:<7} {T:>6} {tmin * 1e3:>9.3f} {statistics.median(times) * 1e3:>10.3f} "
                   f"{gbs:>7.1f} {T / tmin:>9.0f}")
     return 0
 
@@ -75,7 +82,9 @@ def add_parser(subparsers) -> None:
                                           "weights touched and tokens/s. The full benchmarks, with "
                                           "rooflines and baselines, are in benchmarks/.")
     p.add_argument("--shape", default="qwen3-30b-a3b", help=f"one of {sorted(_SHAPES)}")
-    p.add_argument("--schemes", default="int8,int4,bf16")
+    p.add_argument("--schemes", default="int8,int4,bf16",
+                   help="comma-separated: int8, int4, bf16, int8x2, int4x2 (x2: two-level "
+                        "activations, more accurate)")
     p.add_argument("--tokens", default="1,32,512", help="comma-separated token counts T")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: kt's default pool)")
     p.add_argument("--copies", type=int, default=2, help="weight copies cycled through (default 2)")
