@@ -45,7 +45,7 @@ from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, require_amx, row
 AMX_MODE = require_amx()
 cache.install()
 
-_NO_XS = np.zeros(1, np.float32)  # the activation/weight scales of a BF16 _gemm_pipe call (unused)
+_NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8/BF16 bodies (unused)
 
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
@@ -130,22 +130,28 @@ def _unpack_int4(data, src_line, nlines, dst, dst_off):
 # ----------------------------------------------------------------------------- INT8
 
 @njit(nogil=True, cache=True)
-def gemv_int8_pf(xq, xs, data, scale, out, nb0, nb1, pf):
-    """``gemv_int8`` with an explicit B prefetch distance of pf k-steps (0: none)."""
-    m_all = xq.shape[0]
-    ks = xq.shape[1] // 64
-    xst = xq.strides[0]
+def _gemv_pf(a, data, out, nb0, nb1, pf, bf, xs, scale):
+    """The small-M kernel of ``gemv_int8_pf`` (bf False: int8 A, int32 sums scaled by
+    xs[m] * scale[n]) and ``gemv_bf16_pf`` (bf True: bf16-bits A, fp32 sums copied); pf: B
+    prefetch distance in k-steps (0: none)."""
+    m_all = a.shape[0]
+    kel = 64 // a.itemsize          # A elements per 64-byte k-step row
+    ks = a.shape[1] // kel
+    sb = 1024 // data.itemsize      # data elements per k-step tile
+    xst = a.strides[0]
+    xel = xst // a.itemsize
     ost = out.strides[0] // 4
-    blk = data.shape[1] * 64
+    blk = data.shape[1] * (32 if bf else 64)
     cfg = np.zeros(64, np.uint8)
     cb = np.empty((16, 64), np.int32)
+    cbf = cb.view(np.float32)
     rows_cfg = 0
     for m0 in range(0, m_all, 16):
         r = min(16, m_all - m0)
         if r != rows_cfg:
             _config_gemv(cfg, r, 64)
             rows_cfg = r
-        xo = m0 * xst
+        xo = m0 * xel
         for b in range(nb0, nb1, 4):
             nq = min(4, nb1 - b)
             o = b * blk
@@ -156,21 +162,33 @@ def gemv_int8_pf(xq, xs, data, scale, out, nb0, nb1, pf):
             for s in range(ks):
                 if pf > 0 and s + pf < ks:
                     for q in range(nq):
-                        pb = o + q * blk + (s + pf) * 1024
+                        pb = o + q * blk + (s + pf) * sb
                         for ln in range(16):
-                            prefetch_l1(data, pb + 64 * ln)
-                tileloadd64(4, xq, xo + 64 * s, xst)
-                tileloadd64(5, data, o + 1024 * s, 64)
-                tdpbssd(0, 4, 5)
+                            prefetch_l1(data, pb + kel * ln)
+                tileloadd64(4, a, xo + kel * s, xst)
+                tileloadd64(5, data, o + sb * s, 64)
+                if bf:
+                    tdpbf16ps(0, 4, 5)
+                else:
+                    tdpbssd(0, 4, 5)
                 if nq > 1:
-                    tileloadd64(6, data, o + blk + 1024 * s, 64)
-                    tdpbssd(1, 4, 6)
+                    tileloadd64(6, data, o + blk + sb * s, 64)
+                    if bf:
+                        tdpbf16ps(1, 4, 6)
+                    else:
+                        tdpbssd(1, 4, 6)
                 if nq > 2:
-                    tileloadd64(7, data, o + 2 * blk + 1024 * s, 64)
-                    tdpbssd(2, 4, 7)
+                    tileloadd64(7, data, o + 2 * blk + sb * s, 64)
+                    if bf:
+                        tdpbf16ps(2, 4, 7)
+                    else:
+                        tdpbssd(2, 4, 7)
                 if nq > 3:
-                    tileloadd64(5, data, o + 3 * blk + 1024 * s, 64)
-                    tdpbssd(3, 4, 5)
+                    tileloadd64(5, data, o + 3 * blk + sb * s, 64)
+                    if bf:
+                        tdpbf16ps(3, 4, 5)
+                    else:
+                        tdpbssd(3, 4, 5)
             tilestored64(0, cb, 0, 256)
             if nq > 1:
                 tilestored64(1, cb, 16, 256)
@@ -180,11 +198,20 @@ def gemv_int8_pf(xq, xs, data, scale, out, nb0, nb1, pf):
                 tilestored64(3, cb, 48, 256)
             n0 = 16 * b
             for i in range(r):
-                xm = xs[m0 + i]
                 for q in range(nq):
-                    row16_scale_store(out, (m0 + i) * ost + n0 + 16 * q, cb, i * 64 + 16 * q,
-                                      scale, n0 + 16 * q, xm)
+                    oi = (m0 + i) * ost + n0 + 16 * q
+                    if bf:
+                        copy64(out, oi, cbf, i * 64 + 16 * q)
+                    else:
+                        row16_scale_store(out, oi, cb, i * 64 + 16 * q, scale, n0 + 16 * q,
+                                          xs[m0 + i])
     tilerelease()
+
+
+@njit(nogil=True, cache=True)
+def gemv_int8_pf(xq, xs, data, scale, out, nb0, nb1, pf):
+    """``gemv_int8`` with an explicit B prefetch distance of pf k-steps (0: none)."""
+    _gemv_pf(xq, data, out, nb0, nb1, pf, False, xs, scale)
 
 
 @njit(nogil=True, cache=True)
@@ -195,73 +222,6 @@ def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     wsum unused (signed x signed needs no compensation); out fp32 [M, >= 16 nb1].
     """
     gemv_int8_pf(xq, xs, data, scale, out, nb0, nb1, 4)
-
-
-@njit(nogil=True, cache=True)
-def gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, mc, kcs, pf):
-    """Large-M INT8 with explicit blocking: mc rows per M chunk (multiple of 32), kcs 64-deep K
-    steps per K slice, A prefetch distance pf k-steps (0: none). Same result as ``gemv_int8``."""
-    m_all = xq.shape[0]
-    ks = xq.shape[1] // 64
-    ost = out.strides[0] // 4
-    blk = data.shape[1] * 64
-    ap = _pack_a(xq, ks, 64)
-    mpad = ap.shape[0] * 16
-    cp = np.empty((mc, 32), np.int32)
-    cfg = np.zeros(64, np.uint8)
-    _config(cfg, 16, 64)
-    for mc0 in range(0, mpad, mc):
-        mc1 = min(mc0 + mc, mpad)
-        for b in range(nb0, nb1, 2):
-            two = b + 1 < nb1
-            o0 = b * blk
-            o1 = o0 + blk
-            for k0 in range(0, ks, kcs):
-                k1 = min(k0 + kcs, ks)
-                for mp in range(mc0, mc1, 32):
-                    lr = mp - mc0
-                    if k0 == 0:
-                        tilezero(0)
-                        tilezero(1)
-                        tilezero(2)
-                        tilezero(3)
-                    else:
-                        tileloadd64(0, cp, lr * 32, 128)
-                        tileloadd64(2, cp, (lr + 16) * 32, 128)
-                        if two:
-                            tileloadd64(1, cp, lr * 32 + 16, 128)
-                            tileloadd64(3, cp, (lr + 16) * 32 + 16, 128)
-                    a0 = (mp // 16) * ks * 1024
-                    a1 = a0 + ks * 1024
-                    for s in range(k0, k1):
-                        if pf > 0 and s + pf < k1:
-                            for ln in range(16):
-                                prefetch_l1(ap, a0 + (s + pf) * 1024 + 64 * ln)
-                                prefetch_l1(ap, a1 + (s + pf) * 1024 + 64 * ln)
-                        tileloadd64(4, ap, a0 + s * 1024, 64)
-                        tileloadd64(6, data, o0 + s * 1024, 64)
-                        tdpbssd(0, 4, 6)
-                        tileloadd64(5, ap, a1 + s * 1024, 64)
-                        tdpbssd(2, 5, 6)
-                        if two:
-                            tileloadd64(7, data, o1 + s * 1024, 64)
-                            tdpbssd(1, 4, 7)
-                            tdpbssd(3, 5, 7)
-                    tilestored64(0, cp, lr * 32, 128)
-                    tilestored64(2, cp, (lr + 16) * 32, 128)
-                    if two:
-                        tilestored64(1, cp, lr * 32 + 16, 128)
-                        tilestored64(3, cp, (lr + 16) * 32 + 16, 128)
-                    if k1 == ks:
-                        n0 = 16 * b
-                        for i in range(min(32, m_all - mp)):
-                            xm = xs[mp + i]
-                            row16_scale_store(out, (mp + i) * ost + n0, cp, (lr + i) * 32,
-                                              scale, n0, xm)
-                            if two:
-                                row16_scale_store(out, (mp + i) * ost + n0 + 16, cp,
-                                                  (lr + i) * 32 + 16, scale, n0 + 16, xm)
-    tilerelease()
 
 
 @njit(nogil=True, cache=True)
@@ -597,58 +557,7 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
 @njit(nogil=True, cache=True)
 def gemv_bf16_pf(xb, data, out, nb0, nb1, pf):
     """``gemv_bf16`` with an explicit B prefetch distance of pf k-steps (0: none)."""
-    m_all = xb.shape[0]
-    ks = xb.shape[1] // 32
-    xst = xb.strides[0]
-    xel = xst // 2
-    ost = out.strides[0] // 4
-    blk = data.shape[1] * 32
-    cfg = np.zeros(64, np.uint8)
-    cb = np.empty((16, 64), np.float32)
-    rows_cfg = 0
-    for m0 in range(0, m_all, 16):
-        r = min(16, m_all - m0)
-        if r != rows_cfg:
-            _config_gemv(cfg, r, 64)
-            rows_cfg = r
-        xo = m0 * xel
-        for b in range(nb0, nb1, 4):
-            nq = min(4, nb1 - b)
-            o = b * blk
-            tilezero(0)
-            tilezero(1)
-            tilezero(2)
-            tilezero(3)
-            for s in range(ks):
-                if pf > 0 and s + pf < ks:
-                    for q in range(nq):
-                        pb = o + q * blk + (s + pf) * 512
-                        for ln in range(16):
-                            prefetch_l1(data, pb + 32 * ln)
-                tileloadd64(4, xb, xo + 32 * s, xst)
-                tileloadd64(5, data, o + 512 * s, 64)
-                tdpbf16ps(0, 4, 5)
-                if nq > 1:
-                    tileloadd64(6, data, o + blk + 512 * s, 64)
-                    tdpbf16ps(1, 4, 6)
-                if nq > 2:
-                    tileloadd64(7, data, o + 2 * blk + 512 * s, 64)
-                    tdpbf16ps(2, 4, 7)
-                if nq > 3:
-                    tileloadd64(5, data, o + 3 * blk + 512 * s, 64)
-                    tdpbf16ps(3, 4, 5)
-            tilestored64(0, cb, 0, 256)
-            if nq > 1:
-                tilestored64(1, cb, 16, 256)
-            if nq > 2:
-                tilestored64(2, cb, 32, 256)
-            if nq > 3:
-                tilestored64(3, cb, 48, 256)
-            n0 = 16 * b
-            for i in range(r):
-                for q in range(nq):
-                    copy64(out, (m0 + i) * ost + n0 + 16 * q, cb, i * 64 + 16 * q)
-    tilerelease()
+    _gemv_pf(xb, data, out, nb0, nb1, pf, True, _NO_XS, _NO_XS)
 
 
 @njit(nogil=True, cache=True)
@@ -661,17 +570,21 @@ def gemv_bf16(xb, data, out, nb0, nb1):
 
 
 @njit(nogil=True, cache=True)
-def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
-    """Large-M BF16 with explicit blocking: mc rows per M chunk (multiple of 32), kcs 32-deep K
-    steps per K slice, A prefetch distance pf k-steps. Same result as ``gemv_bf16`` up to fp32
-    summation order."""
-    m_all = xb.shape[0]
-    ks = xb.shape[1] // 32
+def _gemm_blocked(a, data, out, nb0, nb1, mc, kcs, pf, bf, xs, scale):
+    """The K-sliced large-M GEMM (the default before ``_gemm_pipe``; kept for comparison): mc rows
+    per M chunk (multiple of 32), kcs k-steps per K slice with partial sums through a buffer,
+    A prefetch distance pf k-steps (0: none). bf False: int8 A, int32 sums scaled by
+    xs[m] * scale[n]; bf True: bf16-bits A, fp32 sums copied."""
+    m_all = a.shape[0]
+    kel = 64 // a.itemsize          # A elements per 64-byte k-step row
+    ks = a.shape[1] // kel
+    sb = 1024 // data.itemsize      # data elements per k-step tile
     ost = out.strides[0] // 4
-    blk = data.shape[1] * 32
-    ap = _pack_a(xb, ks, 32)
+    blk = data.shape[1] * (32 if bf else 64)
+    ap = _pack_a(a, ks, kel)
     mpad = ap.shape[0] * 16
-    cp = np.empty((mc, 32), np.float32)
+    cp = np.empty((mc, 32), np.int32)
+    cpf = cp.view(np.float32)
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
     for mc0 in range(0, mpad, mc):
@@ -695,22 +608,32 @@ def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
                         if two:
                             tileloadd64(1, cp, lr * 32 + 16, 128)
                             tileloadd64(3, cp, (lr + 16) * 32 + 16, 128)
-                    a0 = (mp // 16) * ks * 512
-                    a1 = a0 + ks * 512
+                    a0 = (mp // 16) * ks * sb
+                    a1 = a0 + ks * sb
                     for s in range(k0, k1):
                         if pf > 0 and s + pf < k1:
                             for ln in range(16):
-                                prefetch_l1(ap, a0 + (s + pf) * 512 + 32 * ln)
-                                prefetch_l1(ap, a1 + (s + pf) * 512 + 32 * ln)
-                        tileloadd64(4, ap, a0 + s * 512, 64)
-                        tileloadd64(6, data, o0 + s * 512, 64)
-                        tdpbf16ps(0, 4, 6)
-                        tileloadd64(5, ap, a1 + s * 512, 64)
-                        tdpbf16ps(2, 5, 6)
+                                prefetch_l1(ap, a0 + (s + pf) * sb + kel * ln)
+                                prefetch_l1(ap, a1 + (s + pf) * sb + kel * ln)
+                        tileloadd64(4, ap, a0 + s * sb, 64)
+                        tileloadd64(6, data, o0 + s * sb, 64)
+                        if bf:
+                            tdpbf16ps(0, 4, 6)
+                        else:
+                            tdpbssd(0, 4, 6)
+                        tileloadd64(5, ap, a1 + s * sb, 64)
+                        if bf:
+                            tdpbf16ps(2, 5, 6)
+                        else:
+                            tdpbssd(2, 5, 6)
                         if two:
-                            tileloadd64(7, data, o1 + s * 512, 64)
-                            tdpbf16ps(1, 4, 7)
-                            tdpbf16ps(3, 5, 7)
+                            tileloadd64(7, data, o1 + s * sb, 64)
+                            if bf:
+                                tdpbf16ps(1, 4, 7)
+                                tdpbf16ps(3, 5, 7)
+                            else:
+                                tdpbssd(1, 4, 7)
+                                tdpbssd(3, 5, 7)
                     tilestored64(0, cp, lr * 32, 128)
                     tilestored64(2, cp, (lr + 16) * 32, 128)
                     if two:
@@ -719,10 +642,32 @@ def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
                     if k1 == ks:
                         n0 = 16 * b
                         for i in range(min(32, m_all - mp)):
-                            copy64(out, (mp + i) * ost + n0, cp, (lr + i) * 32)
-                            if two:
-                                copy64(out, (mp + i) * ost + n0 + 16, cp, (lr + i) * 32 + 16)
+                            oi = (mp + i) * ost + n0
+                            ci = (lr + i) * 32
+                            if bf:
+                                copy64(out, oi, cpf, ci)
+                                if two:
+                                    copy64(out, oi + 16, cpf, ci + 16)
+                            else:
+                                row16_scale_store(out, oi, cp, ci, scale, n0, xs[mp + i])
+                                if two:
+                                    row16_scale_store(out, oi + 16, cp, ci + 16, scale, n0 + 16,
+                                                      xs[mp + i])
     tilerelease()
+
+
+@njit(nogil=True, cache=True)
+def gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, mc, kcs, pf):
+    """Large-M INT8, K-sliced (``_gemm_blocked``; kcs 64-deep k-steps per slice). Same result as
+    ``gemv_int8``."""
+    _gemm_blocked(xq, data, out, nb0, nb1, mc, kcs, pf, False, xs, scale)
+
+
+@njit(nogil=True, cache=True)
+def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
+    """Large-M BF16, K-sliced (``_gemm_blocked``; kcs 32-deep k-steps per slice). Same result as
+    ``gemv_bf16`` up to fp32 summation order."""
+    _gemm_blocked(xb, data, out, nb0, nb1, mc, kcs, pf, True, _NO_XS, _NO_XS)
 
 
 @njit(nogil=True, cache=True)
