@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     import transformers
 
     import kt
+    from kt.config import parse_scheme_name
     from kt.hf import FAMILIES, PatchConfig, patch_model
     from kt.hf.accuracy import KL_BOUNDS, compare_models, random_prompts
     from kt.hf.tiny import build_tiny_model
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
             prompts = random_prompts(cfg.vocab_size, n=3, length=24, seed=seed)
             for scheme in args.schemes:
                 t0 = time.perf_counter()
-                base, acts = (scheme[:-2], "int8x2") if scheme.endswith("x2") else (scheme, "int8")
+                base, acts = parse_scheme_name(scheme)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     m = patch_model(copy.deepcopy(ref), PatchConfig(scheme=base, group_size=64,
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
                                                                     activations=acts),
                                     progress=False)
                 a = compare_models(ref, m, prompts, greedy_steps=args.greedy_steps)
-                bound = KL_BOUNDS[base]
+                bound = KL_BOUNDS[base.value]
                 ok = a.mean_kl <= bound and (scheme != "bf16" or a.greedy_identical)
                 rows.append({"family": family, "seed": seed, "scheme": scheme, **a.as_dict(),
                              "kl_bound": bound, "pass": bool(ok),

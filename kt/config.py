@@ -45,6 +45,28 @@ class QuantScheme(enum.Enum):
 
 GROUP_SIZES = (32, 64, 128)
 
+# How the integer schemes quantise activations: "int8" one int8 level per token (the default),
+# "int8x2" two levels (value and residual, reference.quantize_act2). BF16 takes bf16 activations.
+ACT_MODES = ("int8", "int8x2")
+
+
+def check_activations(mode, scheme: QuantScheme, what: str = "activations") -> str:
+    """``mode`` if it is an activation mode ``scheme`` takes, else a ValueError naming ``what``."""
+    if mode not in ACT_MODES:
+        raise ValueError(f"{what} must be one of {ACT_MODES}, got {mode!r}")
+    if mode != "int8" and scheme is QuantScheme.BF16:
+        raise ValueError(f"{what}={mode!r} applies to the int8 and int4 schemes; bf16 experts "
+                         "take bf16 activations")
+    return mode
+
+
+def parse_scheme_name(name: str) -> tuple[QuantScheme, str]:
+    """A scheme name as the benchmarks and ``kt bench`` take it -> (scheme, activations):
+    "int8", "int4", "bf16", or "int8x2" / "int4x2" for two-level activations."""
+    base, acts = (name[:-2], "int8x2") if name.strip().lower().endswith("x2") else (name, "int8")
+    scheme = QuantScheme.parse(base)
+    return scheme, check_activations(acts, scheme, f"scheme {name!r}: activations")
+
 
 @dataclass(frozen=True)
 class MoEShape:

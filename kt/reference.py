@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import GROUP_SIZES, QuantScheme
+from .config import ACT_MODES, GROUP_SIZES, QuantScheme
 
 __all__ = [
     "QuantizedWeight",
@@ -173,9 +173,6 @@ def quantize_act2(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     r = (x - q1.astype(np.float32) * s1[:, None]).astype(np.float32)
     q2, s2 = quantize_act(r)
     return q1, s1, q2, s2
-
-
-ACT_MODES = ("int8", "int8x2")
 
 
 def act_roundtrip(x, scheme: QuantScheme | str, activations: str = "int8") -> np.ndarray:

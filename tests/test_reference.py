@@ -90,3 +90,17 @@ def test_scheme_parse():
     assert QuantScheme.parse("INT4") is QuantScheme.INT4
     with pytest.raises(ValueError, match="unknown quantisation scheme"):
         QuantScheme.parse("fp7")
+
+
+def test_scheme_names_and_activation_modes():
+    from kt.config import QuantScheme, check_activations, parse_scheme_name
+
+    assert parse_scheme_name("int8") == (QuantScheme.INT8, "int8")
+    assert parse_scheme_name("int4x2") == (QuantScheme.INT4, "int8x2")
+    assert parse_scheme_name("bf16") == (QuantScheme.BF16, "int8")
+    with pytest.raises(ValueError, match="int8 and int4 schemes"):
+        parse_scheme_name("bf16x2")
+    with pytest.raises(ValueError, match="unknown quantisation scheme"):
+        parse_scheme_name("fp4")
+    with pytest.raises(ValueError, match="must be one of"):
+        check_activations("int16", QuantScheme.INT8)

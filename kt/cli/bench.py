@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from ..config import parse_scheme_name
+
 _SHAPES = {  # E, K, H, I
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "deepseek-v2-lite": (64, 6, 2048, 1408),
@@ -13,8 +15,9 @@ _SHAPES = {  # E, K, H, I
 }
 
 
-def _layer(E, H, I, scheme, seed):
-    """A random layer; scheme "int8x2" / "int4x2" = INT8 / INT4 with two-level activations."""
+def _layer(E, H, I, name, seed):
+    """A random layer; ``name`` as ``kt.config.parse_scheme_name`` takes it ("int8x2": INT8
+    with two-level activations)."""
     import numpy as np
 
     from ..cpu_ops.moe import CPUMoE
@@ -23,8 +26,8 @@ def _layer(E, H, I, scheme, seed):
     gate = rng.standard_normal((E, I, H), dtype=np.float32) / np.float32(np.sqrt(H))
     up = rng.standard_normal((E, I, H), dtype=np.float32) / np.float32(np.sqrt(H))
     down = rng.standard_normal((E, H, I), dtype=np.float32) / np.float32(np.sqrt(I))
-    acts = "int8x2" if scheme.endswith("x2") else "int8"
-    return CPUMoE.from_tensors(gate, up, down, scheme=scheme.removesuffix("x2"), activations=acts)
+    scheme, acts = parse_scheme_name(name)
+    return CPUMoE.from_tensors(gate, up, down, scheme=scheme, activations=acts)
 
 
 def _run(args) -> int:
@@ -47,9 +50,7 @@ def _run(args) -> int:
     print(f"{'scheme':<7} {'T':>6} {'min ms':>9} {'median ms':>10} {'GB/s':>7} {'tok/s':>9}")
     schemes = args.schemes.split(",")
     for scheme in schemes:
-        if scheme not in ("int8", "int4", "bf16", "int8x2", "int4x2"):
-            raise ValueError(f"unknown scheme {scheme!r}; choose from int8, int4, bf16, int8x2, "
-                             f"int4x2 (x2: two-level activations)")
+        parse_scheme_name(scheme)  # a bad name fails here, before any layer is built
     for scheme in schemes:
         copies = [_layer(E, H, I, scheme, s) for s in tqdm(range(args.copies), leave=False,
                                                              desc=f"building {scheme} layers")]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..config import ACT_MODES
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a local Hugging Face model directory")
@@ -11,7 +13,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="how the CPU experts are stored and computed (default: int8)")
     p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
                    help="INT4 group size G (default: 64)")
-    p.add_argument("--activations", default="int8", choices=["int8", "int8x2"],
+    p.add_argument("--activations", default="int8", choices=list(ACT_MODES),
                    help="int8 / int4 experts: per-token int8 activations (default) or two int8 "
                         "levels (more accurate, about 2x the prefill compute)")
     p.add_argument("--weights", metavar="KT_DIR", default=None,

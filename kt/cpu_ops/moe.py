@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import reference as ref
-from ..config import QuantScheme
+from ..config import QuantScheme, check_activations
 from . import _moe_driver as drv
 from .packing import BLOCK_N, PackedWeight, pack, padded_dims
 from .pool import CpuPool, default_pool
@@ -305,12 +304,7 @@ class CPUMoE:
 
     @activations.setter
     def activations(self, mode: str) -> None:
-        if mode not in ref.ACT_MODES:
-            raise ValueError(f"activations must be one of {ref.ACT_MODES}, got {mode!r}")
-        if mode != "int8" and self.scheme is QuantScheme.BF16:
-            raise ValueError(f"activations={mode!r} applies to the integer schemes; "
-                             "BF16 layers take bf16 activations")
-        self._activations = mode
+        self._activations = check_activations(mode, self.scheme)
         self.levels = 2 if mode == "int8x2" else 1
 
     @property

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import GROUP_SIZES, QuantScheme
+from ..config import GROUP_SIZES, QuantScheme, check_activations
 from ._compat import require_transformers
 from ._experts import KTExperts, ReferenceMoE
 from .families import family_of
@@ -66,12 +66,7 @@ class PatchConfig:
             raise ValueError(f"PatchConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
         if self.weight_path is not None:
             object.__setattr__(self, "weight_path", Path(self.weight_path))
-        if self.activations not in ("int8", "int8x2"):
-            raise ValueError(f"PatchConfig.activations must be 'int8' or 'int8x2', "
-                             f"got {self.activations!r}")
-        if self.activations != "int8" and self.scheme is QuantScheme.BF16:
-            raise ValueError("PatchConfig.activations='int8x2' applies to the int8 and int4 "
-                             "schemes; bf16 experts take bf16 activations")
+        check_activations(self.activations, self.scheme, "PatchConfig.activations")
         if self.backend == "reference" and (self.placement is not None or self.deferral):
             raise ValueError("the reference backend runs every expert on the CPU; "
                              "placement and deferral need backend='kt'")

@@ -16,4 +16,4 @@ def test_bench_bad_input(capsys):
     assert "unknown shape" in capsys.readouterr().err
     assert main(["bench", "--shape", "tiny", "--tokens", "0"]) == 1
     assert main(["bench", "--shape", "tiny", "--schemes", "fp4"]) == 1
-    assert "unknown scheme" in capsys.readouterr().err
+    assert "unknown quantisation scheme" in capsys.readouterr().err

@@ -248,7 +248,7 @@ def test_bad_activation_modes(pool):
     with pytest.raises(ValueError, match="activations must be one of"):
         CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES["int8"], activations="int16")
     mb = layer("bf16", "double", pool=pool)[0]
-    with pytest.raises(ValueError, match="integer schemes"):
+    with pytest.raises(ValueError, match="int8 and int4 schemes"):
         CPUMoE(mb.w13, mb.w2, pool=pool, kernels=DOUBLES["bf16"], activations="int8x2")
 
 
