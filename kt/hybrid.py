@@ -291,6 +291,9 @@ class HybridMoE:
         with self._lock:
             self.gpu_slot = row
             self.gpu_mask = row >= 0
+            # what the CPU part is called with: None when no expert is on the GPU
+            self._mask_arg = self.gpu_mask if self.gpu_mask.any() else None
+            self._all_gpu = bool(self.gpu_mask.all())
             self._gpu = gpu
             if self.device is not None:
                 self._cpu_expert_dev = torch.from_numpy(~self.gpu_mask).to(self.device)
@@ -353,7 +356,8 @@ class HybridMoE:
         with self._lock:
             gpu, cpu_expert = self._gpu, (self._cpu_expert_dev if x.device.type == "cuda"
                                           else self._cpu_expert)
-            gpu_mask = self.gpu_mask
+            mask = self._mask_arg
+            all_gpu = self._all_gpu
         self.stats.calls += 1
         if self.observer is not None:
             self.observer.observe(self.layer_idx, topk_ids, topk_weights)
@@ -364,13 +368,13 @@ class HybridMoE:
                 self._streams_seen.add(st)
         if x.device.type != "cuda":
             path = "cpu_only"
-            out = self._forward_cpu(x, topk_ids, topk_weights, cpu_expert, gpu_mask)
+            out = self._forward_cpu(x, topk_ids, topk_weights, cpu_expert, mask)
         elif self._use_gpu_prefill(t, topk_ids.shape[1]):
             path = "gpu_prefill"
             out = self._forward_gpu_prefill(x, topk_ids, topk_weights)
         else:
             path = "hybrid"
-            out = self._forward_hybrid(x, topk_ids, topk_weights, gpu, cpu_expert, gpu_mask)
+            out = self._forward_hybrid(x, topk_ids, topk_weights, gpu, cpu_expert, mask, all_gpu)
         self.stats.paths[path] += 1
         self.stats.last_path = path
         if self.after_forward is not None:
@@ -388,38 +392,38 @@ class HybridMoE:
             return out
         return pending.add_into(out)
 
-    def _forward_cpu(self, x, topk_ids, topk_weights, cpu_expert, gpu_mask):
+    def _forward_cpu(self, x, topk_ids, topk_weights, cpu_expert, mask):
+        """mask: the GPU experts to skip, or None."""
         ids_now, ids_later = split_deferred(topk_ids, topk_weights, cpu_expert, self.max_deferred)
         t0 = time.perf_counter()
-        out = self.cpu(x, ids_now, topk_weights, gpu_mask=gpu_mask if gpu_mask.any() else None)
+        out = self.cpu(x, ids_now, topk_weights, gpu_mask=mask)
         self.cost.observe_cpu(x.shape[0], topk_ids.shape[1], self.hidden, self.intermediate,
                               time.perf_counter() - t0)
         out = self._add_pending(out)
         if self.max_deferred and self.chain is not None:
-            h = self.cpu.submit(x, ids_later, topk_weights,
-                                gpu_mask=gpu_mask if gpu_mask.any() else None)
+            h = self.cpu.submit(x, ids_later, topk_weights, gpu_mask=mask)
             self.chain.put(_CpuPending(h))
         return out
 
-    def _forward_hybrid(self, x, topk_ids, topk_weights, gpu, cpu_expert, gpu_mask):
+    def _forward_hybrid(self, x, topk_ids, topk_weights, gpu, cpu_expert, mask, all_gpu):
         from .gpu_ops import fused_moe
 
         if gpu is None:  # every expert on the CPU: the CPU part is the whole layer
-            return self._cuda_cpu_part(x, topk_ids, topk_weights, cpu_expert, gpu_mask, None)
-        if gpu_mask.all():  # every expert on the GPU: no CPU part (and nothing to defer)
+            return self._cuda_cpu_part(x, topk_ids, topk_weights, cpu_expert, mask, None)
+        if all_gpu:  # every expert on the GPU: no CPU part (and nothing to defer)
             out = fused_moe(x, topk_ids, topk_weights, gpu["e2s"], gpu["w13"], gpu["w2"],
                             w13_scale=gpu["w13_scale"], w2_scale=gpu["w2_scale"])
             return self._add_pending(out)
-        return self._cuda_cpu_part(x, topk_ids, topk_weights, cpu_expert, gpu_mask,
+        return self._cuda_cpu_part(x, topk_ids, topk_weights, cpu_expert, mask,
                                    lambda: fused_moe(x, topk_ids, topk_weights, gpu["e2s"], gpu["w13"],
                                                      gpu["w2"], w13_scale=gpu["w13_scale"],
                                                      w2_scale=gpu["w2_scale"]))
 
-    def _cuda_cpu_part(self, x, topk_ids, topk_weights, cpu_expert, gpu_mask, gpu_fn):
-        """Stream-ordered CPU part around the GPU work ``gpu_fn`` (see module doc)."""
+    def _cuda_cpu_part(self, x, topk_ids, topk_weights, cpu_expert, mask, gpu_fn):
+        """Stream-ordered CPU part around the GPU work ``gpu_fn`` (see module doc); mask: the GPU
+        experts to skip, or None."""
         bridge = self._get_bridge()
         ids_now, ids_later = split_deferred(topk_ids, topk_weights, cpu_expert, self.max_deferred)
-        mask = gpu_mask if gpu_mask.any() else None
         job = bridge.start(x, ids_now, topk_weights, mask)  # D2H + "start" on the stream
         gpu_out = gpu_fn() if gpu_fn is not None else None
         cpu_out = bridge.finish(job)  # stream waits for "done", then H2D
