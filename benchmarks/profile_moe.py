@@ -88,7 +88,8 @@ def interleaved(variants, T, reps, rng, shape):
 
 def _amx_variants(scheme):
     """Alternative large-M kernels for ``kernels=`` (contract signatures), by name: the
-    K-sliced ``gemm_*_blocked`` kernels that were the default before the pipelined ones."""
+    K-sliced ``gemm_*_blocked`` kernels that were the default before the pipelined ones, and the
+    pipelined kernels with K slices of 8 k-steps (the pair's B slice stays in L1)."""
     from kt.cpu_ops import kernels_amx as KA
 
     if scheme is QuantScheme.INT8:
@@ -96,13 +97,22 @@ def _amx_variants(scheme):
         def k(xq, xs, data, scale, wsum, out, nb0, nb1):
             KA.gemm_int8_blocked(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
                                  32, 0)
+
+        @njit(nogil=True)
+        def k8(xq, xs, data, scale, wsum, out, nb0, nb1):
+            KA.gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
+                              8, 0, True)
     elif scheme is QuantScheme.BF16:
         @njit(nogil=True)
         def k(xb, data, out, nb0, nb1):
             KA.gemm_bf16_blocked(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 64, 0)
+
+        @njit(nogil=True)
+        def k8(xb, data, out, nb0, nb1):
+            KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 8, 0, True)
     else:
         return {}
-    return {"blocked": k}
+    return {"blocked": k, "pipe_kc8": k8}
 
 
 def bandwidth(threads, gib=4.0):
@@ -169,12 +179,12 @@ def gemm_alone(rows, rng):
 
         fns = {
             "blocked": lambda: KA.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, mc, 32, 0),
-            "pipe": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, False),
-            "pipe_l2": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, True),
+            "pipe": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 1 << 30, 0, False),
+            "pipe_l2": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 1 << 30, 0, True),
             "blocked_cold": lambda: KA.gemm_int8_blocked(xq, xs, nxt(), p.scale, out, 0, nb, mc, 32, 0),
-            "pipe_pf8_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 8, False),
-            "pipe_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 0, True),
-            "pipe_pf4_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 4, True),
+            "pipe_pf8_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 8, False),
+            "pipe_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 0, True),
+            "pipe_pf4_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 4, True),
         }
         outs = {}
         for k, f in fns.items():
@@ -210,6 +220,8 @@ def main(argv=None):
     ap.add_argument("--T", default="1,512,2048")
     ap.add_argument("--variants", action="store_true", default=True)
     ap.add_argument("--variant-T", default="512,2048")
+    ap.add_argument("--variant-names", default="",
+                    help="comma list of the variants to run besides default (empty: all)")
     ap.add_argument("--no-gemm", action="store_true", help="skip the one-core GEMM part")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
@@ -222,7 +234,7 @@ def main(argv=None):
     rows.append({"part": "bandwidth", "threads": a.threads, "GBps": round(bw / 1e9, 2)})
     print(f"read bandwidth, {a.threads} threads: {bw / 1e9:.1f} GB/s", flush=True)
     pool = CpuPool(a.threads)
-    Ts = [int(t) for t in a.T.split(",")]
+    Ts = [int(t) for t in a.T.split(",") if t]
     pool_bytes = int(a.pool_gb * 2**30)
     for sname in a.schemes.split(","):
         scheme = QuantScheme.parse(sname)
@@ -258,6 +270,9 @@ def main(argv=None):
             if sname == "int8":
                 vars_["chunk1024"] = [CPUMoE(L.w13, L.w2, pool=pool, chunk_tokens=1024)
                                       for L in layers]
+            if a.variant_names:
+                keep = set(a.variant_names.split(",")) | {"default"}
+                vars_ = {n: v for n, v in vars_.items() if n in keep}
             for T in a.variant_T:
                 res = interleaved(vars_, T, 6 if T >= 512 else 20, rng, a.shape)
                 for n, v in res.items():

@@ -1,0 +1,190 @@
+"""Why the AMX GEMM is slower inside the MoE layer than alone: the same kernels, one core vs all.
+
+Each thread (pinned to its own CPU) runs the large-M kernel on its own weights, either warm (one
+matrix, called again and again) or cold (its own copies, called in turn, so B comes from DRAM),
+with the layer's per-expert shapes (gate+up N=1536, D=2048; M = 128 is T=2048's tokens per
+expert, M = 512 the one-core figure of issue 3). Thread sets: one CPU, one CPU per physical core,
+every CPU. Variants run interleaved, round by round. Also the tile-resident peak per thread set
+and the CPU topology, so per-thread TOPS can be read against the peak of the same thread set.
+
+Device:  PYTHONPATH=. python3 benchmarks/amx_probe.py --out $OUT   (writes amx_probe.json)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kt.cpu_ops import isa  # noqa: E402
+from kt.cpu_ops.packing import pack  # noqa: E402
+from kt.reference import f32_to_bf16_bits, quantize_act  # noqa: E402
+
+
+def topology():
+    """{cpu: core} from ``lscpu -p``, and the lscpu summary lines worth keeping."""
+    cores = {}
+    for line in subprocess.run(["lscpu", "-p=CPU,CORE,SOCKET,NODE"], capture_output=True,
+                               text=True).stdout.splitlines():
+        if line and not line.startswith("#"):
+            c, core, *_ = line.split(",")
+            cores[int(c)] = int(core)
+    keep = ("Model name", "Thread(s) per core", "Core(s) per socket", "Socket(s)", "NUMA node(s)",
+            "L2 cache", "L3 cache", "CPU max MHz", "Hypervisor")
+    summary = [ln.strip() for ln in subprocess.run(["lscpu"], capture_output=True,
+                                                   text=True).stdout.splitlines()
+               if ln.strip().startswith(keep)]
+    return cores, summary
+
+
+def run_threads(cpus, fn_for):
+    """Run fn_for(i)() on one thread per cpu (pinned), started together; per-thread seconds."""
+    bar = threading.Barrier(len(cpus))
+    took = [0.0] * len(cpus)
+
+    def body(i, cpu):
+        os.sched_setaffinity(0, {cpu})
+        f = fn_for(i)
+        bar.wait()
+        t0 = time.perf_counter()
+        f()
+        took[i] = time.perf_counter() - t0
+
+    ts = [threading.Thread(target=body, args=(i, c)) for i, c in enumerate(cpus)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return took
+
+
+def peak(KA, cpus, bf):
+    n = 200000
+    f = KA.peak_bf16 if bf else KA.peak_int8
+    f(1000)
+    best = min(max(run_threads(cpus, lambda i: (lambda: f(n)))) for _ in range(3))
+    return n * 4 * 2 * 16 * 16 * (32 if bf else 64) * len(cpus) / best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--M", default="128,512")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cold-mb", type=int, default=240, help="weight copies per thread (MiB)")
+    a = ap.parse_args(argv)
+    if isa.detect().variant != "amx":
+        sys.exit("amx_probe needs a CPU where AMX runs")
+    from kt.cpu_ops import kernels_amx as KA
+
+    cores, summary = topology()
+    cpus_all = sorted(os.sched_getaffinity(0))
+    seen, cpus_phys = set(), []
+    for c in cpus_all:
+        if cores.get(c, c) not in seen:
+            seen.add(cores.get(c, c))
+            cpus_phys.append(c)
+    sets = {"one": cpus_all[:1], "per_core": cpus_phys, "all": cpus_all}
+    if len(cpus_phys) == len(cpus_all):
+        del sets["per_core"]
+    rows = [{"part": "topology", "summary": summary, "cpus": cpus_all, "per_core": cpus_phys}]
+    print("\n".join(summary), f"\nCPUs {len(cpus_all)}, physical cores {len(cpus_phys)}",
+          flush=True)
+    peaks = {}
+    for sname, cpus in sets.items():
+        for bf in (False, True):
+            p = peak(KA, cpus, bf)
+            peaks[(sname, bf)] = p / len(cpus)
+            rows.append({"part": "peak", "set": sname, "threads": len(cpus),
+                         "scheme": "bf16" if bf else "int8", "TOPS": round(p / 1e12, 3),
+                         "TOPS_per_thread": round(p / len(cpus) / 1e12, 3)})
+            print(f"peak {'bf16' if bf else 'int8'} {sname:8s} ({len(cpus):2d} thr): "
+                  f"{p / 1e12:6.2f} TOPS, {p / len(cpus) / 1e12:.2f} per thread", flush=True)
+
+    rng = np.random.default_rng(0)
+    n, d = 1536, 2048
+    w = rng.standard_normal((n, d), dtype=np.float32)
+    packs = {"int8": pack(w, "int8"), "bf16": pack(w, "bf16")}
+    nthr = len(cpus_all)
+    for scheme, p in packs.items():
+        bf = scheme == "bf16"
+        ncopy = max(2, a.cold_mb * 2**20 // p.data.nbytes)
+        copies = [[p.data.copy() for _ in range(ncopy)] for _ in range(nthr)]
+        nb = p.num_blocks
+        for m in [int(v) for v in a.M.split(",")]:
+            x = rng.standard_normal((m, d), dtype=np.float32)
+            if bf:
+                xa = np.ascontiguousarray(f32_to_bf16_bits(x))
+                mc = KA.default_mc(2 * d)
+            else:
+                xq, xs = quantize_act(x)
+                xa = np.ascontiguousarray(xq.astype(np.int8))
+                xs = np.ascontiguousarray(xs.astype(np.float32).reshape(-1))
+                mc = KA.default_mc(d)
+            ks = d // (32 if bf else 64)
+            outs = [np.zeros((m, p.n_pad), np.float32) for _ in range(nthr)]
+
+            def kern(kc, l2):
+                if bf:
+                    return lambda data, out: KA.gemm_bf16_pipe(xa, data, out, 0, nb, mc, kc, 0, l2)
+                return lambda data, out: KA.gemm_int8_pipe(xa, xs, data, p.scale, out, 0, nb, mc,
+                                                           kc, 0, l2)
+
+            variants = {"pipe": kern(ks, True), "pipe_kc8": kern(8, True),
+                        "pipe_kc16": kern(16, True)}
+            if not bf:
+                variants["blocked_kc8"] = lambda data, out: KA.gemm_int8_blocked(
+                    xa, xs, data, p.scale, out, 0, nb, mc, 8, 0)
+            ref = None
+            for name, f in variants.items():  # compile, and the variants agree exactly
+                outs[0][:] = np.nan
+                f(p.data, outs[0])
+                if ref is None:
+                    ref = outs[0].copy()
+                elif not np.array_equal(ref, outs[0]):
+                    sys.exit(f"{scheme} M={m}: variant {name} differs from pipe")
+            ops = 2.0 * m * n * d
+            calls = max(4, int(6e10 / ops))  # ~60 GOP per thread per timing
+            res = {}
+            for _ in range(a.rounds):
+                for sname, cpus in sets.items():
+                    for temp in ("warm", "cold"):
+                        for name, f in variants.items():
+                            def fn_for(i, f=f, temp=temp):
+                                cs = copies[i]
+                                out = outs[i]
+                                if temp == "warm":
+                                    return lambda: [f(cs[0], out) for _ in range(calls)]
+                                return lambda: [f(cs[j % len(cs)], out) for j in range(calls)]
+                            took = run_threads(cpus, fn_for)
+                            per_thr = ops * calls / statistics.mean(took)
+                            res.setdefault((sname, temp, name), []).append(per_thr)
+            for (sname, temp, name), v in res.items():
+                pk = peaks[(sname, bf)]
+                r = {"part": "gemm", "scheme": scheme, "M": m, "set": sname,
+                     "threads": len(sets[sname]), "weights": temp, "variant": name,
+                     "TOPS_per_thread_max": round(max(v) / 1e12, 3),
+                     "TOPS_per_thread_median": round(statistics.median(v) / 1e12, 3),
+                     "of_set_peak": round(max(v) / pk, 3)}
+                rows.append(r)
+                print(f"{scheme} M={m:4d} {sname:8s} {temp} {name:12s} "
+                      f"{r['TOPS_per_thread_max']:.3f} / {r['TOPS_per_thread_median']:.3f} TOPS "
+                      f"per thread ({100 * r['of_set_peak']:.0f} % of the set's peak)", flush=True)
+        del copies
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "amx_probe.json").write_text(json.dumps({"rows": rows}, indent=1))
+    print(f"wrote {out / 'amx_probe.json'}")
+
+
+if __name__ == "__main__":
+    main()
