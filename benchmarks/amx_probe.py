@@ -81,6 +81,9 @@ def main(argv=None):
     ap.add_argument("--M", default="128,512")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cold-mb", type=int, default=240, help="weight copies per thread (MiB)")
+    ap.add_argument("--shapes", default="1536x2048", help="NxD list: 1536x2048 gate+up, 2048x768 down")
+    ap.add_argument("--schemes", default="int8,bf16")
+    ap.add_argument("--variants", default="", help="comma list (empty: all)")
     a = ap.parse_args(argv)
     if isa.detect().variant != "amx":
         sys.exit("amx_probe needs a CPU where AMX runs")
@@ -111,79 +114,86 @@ def main(argv=None):
                   f"{p / 1e12:6.2f} TOPS, {p / len(cpus) / 1e12:.2f} per thread", flush=True)
 
     rng = np.random.default_rng(0)
-    n, d = 1536, 2048
-    w = rng.standard_normal((n, d), dtype=np.float32)
-    packs = {"int8": pack(w, "int8"), "bf16": pack(w, "bf16")}
     nthr = len(cpus_all)
-    for scheme, p in packs.items():
-        bf = scheme == "bf16"
-        ncopy = max(2, a.cold_mb * 2**20 // p.data.nbytes)
-        copies = [[p.data.copy() for _ in range(ncopy)] for _ in range(nthr)]
-        nb = p.num_blocks
-        for m in [int(v) for v in a.M.split(",")]:
-            x = rng.standard_normal((m, d), dtype=np.float32)
-            if bf:
-                xa = np.ascontiguousarray(f32_to_bf16_bits(x))
-                mc = KA.default_mc(2 * d)
-            else:
-                xq, xs = quantize_act(x)
-                xa = np.ascontiguousarray(xq.astype(np.int8))
-                xs = np.ascontiguousarray(xs.astype(np.float32).reshape(-1))
-                mc = KA.default_mc(d)
-            ks = d // (32 if bf else 64)
-            outs = [np.zeros((m, p.n_pad), np.float32) for _ in range(nthr)]
-
-            def kern(kc, l2):
-                if bf:
-                    return lambda data, out: KA.gemm_bf16_pipe(xa, data, out, 0, nb, mc, kc, 0, l2)
-                return lambda data, out: KA.gemm_int8_pipe(xa, xs, data, p.scale, out, 0, nb, mc,
-                                                           kc, 0, l2)
-
-            variants = {"pipe": kern(ks, True), "pipe_kc8": kern(8, True),
-                        "pipe_kc16": kern(16, True)}
-            if not bf:
-                variants["blocked_kc8"] = lambda data, out: KA.gemm_int8_blocked(
-                    xa, xs, data, p.scale, out, 0, nb, mc, 8, 0)
-            ref = None
-            for name, f in variants.items():  # compile, and the variants agree exactly
-                outs[0][:] = np.nan
-                f(p.data, outs[0])
-                if ref is None:
-                    ref = outs[0].copy()
-                elif not np.array_equal(ref, outs[0]):
-                    sys.exit(f"{scheme} M={m}: variant {name} differs from pipe")
-            ops = 2.0 * m * n * d
-            calls = max(4, int(6e10 / ops))  # ~60 GOP per thread per timing
-            res = {}
-            for _ in range(a.rounds):
-                for sname, cpus in sets.items():
-                    for temp in ("warm", "cold"):
-                        for name, f in variants.items():
-                            def fn_for(i, f=f, temp=temp):
-                                cs = copies[i]
-                                out = outs[i]
-                                if temp == "warm":
-                                    return lambda: [f(cs[0], out) for _ in range(calls)]
-                                return lambda: [f(cs[j % len(cs)], out) for j in range(calls)]
-                            took = run_threads(cpus, fn_for)
-                            per_thr = ops * calls / statistics.mean(took)
-                            res.setdefault((sname, temp, name), []).append(per_thr)
-            for (sname, temp, name), v in res.items():
-                pk = peaks[(sname, bf)]
-                r = {"part": "gemm", "scheme": scheme, "M": m, "set": sname,
-                     "threads": len(sets[sname]), "weights": temp, "variant": name,
-                     "TOPS_per_thread_max": round(max(v) / 1e12, 3),
-                     "TOPS_per_thread_median": round(statistics.median(v) / 1e12, 3),
-                     "of_set_peak": round(max(v) / pk, 3)}
-                rows.append(r)
-                print(f"{scheme} M={m:4d} {sname:8s} {temp} {name:12s} "
-                      f"{r['TOPS_per_thread_max']:.3f} / {r['TOPS_per_thread_median']:.3f} TOPS "
-                      f"per thread ({100 * r['of_set_peak']:.0f} % of the set's peak)", flush=True)
-        del copies
+    for shape in a.shapes.split(","):
+        n, d = (int(v) for v in shape.split("x"))
+        w = rng.standard_normal((n, d), dtype=np.float32)
+        for scheme in a.schemes.split(","):
+            probe_shape(KA, a, rows, sets, peaks, nthr, rng, n, d, scheme, pack(w, scheme))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "amx_probe.json").write_text(json.dumps({"rows": rows}, indent=1))
     print(f"wrote {out / 'amx_probe.json'}")
+
+
+def probe_shape(KA, a, rows, sets, peaks, nthr, rng, n, d, scheme, p):
+    """Time the variants of one (N, D, scheme) over M, thread sets and warm/cold weights."""
+    bf = scheme == "bf16"
+    ncopy = max(2, a.cold_mb * 2**20 // p.data.nbytes)
+    copies = [[p.data.copy() for _ in range(ncopy)] for _ in range(nthr)]
+    nb = p.num_blocks
+    for m in [int(v) for v in a.M.split(",")]:
+        x = rng.standard_normal((m, d), dtype=np.float32)
+        if bf:
+            xa = np.ascontiguousarray(f32_to_bf16_bits(x))
+            mc = KA.default_mc(2 * d)
+        else:
+            xq, xs = quantize_act(x)
+            xa = np.ascontiguousarray(xq.astype(np.int8))
+            xs = np.ascontiguousarray(xs.astype(np.float32).reshape(-1))
+            mc = KA.default_mc(d)
+        ks = d // (32 if bf else 64)
+        outs = [np.zeros((m, p.n_pad), np.float32) for _ in range(nthr)]
+
+        def kern(kc, l2):
+            if bf:
+                return lambda data, out: KA.gemm_bf16_pipe(xa, data, out, 0, nb, mc, kc, 0, l2)
+            return lambda data, out: KA.gemm_int8_pipe(xa, xs, data, p.scale, out, 0, nb, mc,
+                                                       kc, 0, l2)
+
+        variants = {"pipe": kern(ks, True), "pipe_kc8": kern(8, True),
+                    "pipe_kc16": kern(16, True)}
+        if not bf:
+            variants["blocked_kc8"] = lambda data, out: KA.gemm_int8_blocked(
+                xa, xs, data, p.scale, out, 0, nb, mc, 8, 0)
+        if a.variants:
+            variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}
+        ref = None
+        for name, f in variants.items():  # compile, and the variants agree exactly
+            outs[0][:] = np.nan
+            f(p.data, outs[0])
+            if ref is None:
+                ref = outs[0].copy()
+            elif not np.array_equal(ref, outs[0]):
+                sys.exit(f"{scheme} M={m}: variant {name} differs from pipe")
+        ops = 2.0 * m * n * d
+        calls = max(4, int(6e10 / ops))  # ~60 GOP per thread per timing
+        res = {}
+        for _ in range(a.rounds):
+            for sname, cpus in sets.items():
+                for temp in ("warm", "cold"):
+                    for name, f in variants.items():
+                        def fn_for(i, f=f, temp=temp):
+                            cs = copies[i]
+                            out = outs[i]
+                            if temp == "warm":
+                                return lambda: [f(cs[0], out) for _ in range(calls)]
+                            return lambda: [f(cs[j % len(cs)], out) for j in range(calls)]
+                        took = run_threads(cpus, fn_for)
+                        per_thr = ops * calls / statistics.mean(took)
+                        res.setdefault((sname, temp, name), []).append(per_thr)
+        for (sname, temp, name), v in res.items():
+            pk = peaks[(sname, bf)]
+            r = {"part": "gemm", "scheme": scheme, "N": n, "D": d, "M": m, "set": sname,
+                 "threads": len(sets[sname]), "weights": temp, "variant": name,
+                 "TOPS_per_thread_max": round(max(v) / 1e12, 3),
+                 "TOPS_per_thread_median": round(statistics.median(v) / 1e12, 3),
+                 "of_set_peak": round(max(v) / pk, 3)}
+            rows.append(r)
+            print(f"{scheme} {n}x{d} M={m:4d} {sname:8s} {temp} {name:12s} "
+                  f"{r['TOPS_per_thread_max']:.3f} / {r['TOPS_per_thread_median']:.3f} TOPS "
+                  f"per thread ({100 * r['of_set_peak']:.0f} % of the set's peak)", flush=True)
+    del copies
 
 
 if __name__ == "__main__":

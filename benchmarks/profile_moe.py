@@ -225,7 +225,7 @@ def main(argv=None):
     ap.add_argument("--no-gemm", action="store_true", help="skip the one-core GEMM part")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
-    a.variant_T = [int(t) for t in a.variant_T.split(",")]
+    a.variant_T = [int(t) for t in a.variant_T.split(",") if t]
     rng = np.random.default_rng(0)
     rows = []
     variant = isa.detect().variant
@@ -248,10 +248,15 @@ def main(argv=None):
             floor_ms = hit * layers[0].nbytes / E / bw * 1e3
             r.update(part="profile", scheme=sname, T=T, bw_floor_ms=round(floor_ms, 3),
                      frac_of_bw_floor=round(floor_ms / r["wall_min_ms"], 3))
+            # the GEMM phases' rate per busy thread (T*K rows through 2I x H and H x I)
+            for ph, ops in (("gate_up", 4.0 * T * K * H * I), ("down", 2.0 * T * K * H * I)):
+                busy = r["phases"][ph]["busy_ms"]
+                r[f"{ph}_TOPS_per_busy_thread"] = round(ops / (busy * 1e-3) / 1e12, 3) if busy else None
             rows.append(r)
             ph = "  ".join(f"{k} {v['busy_ms']:.2f}/{v['wait_ms']:.2f}" for k, v in r["phases"].items())
             print(f"  T={T:5d} wall min {r['wall_min_ms']:.2f} med {r['wall_median_ms']:.2f} ms "
-                  f"({100 * r['frac_of_bw_floor']:.0f} % of the bandwidth floor) | "
+                  f"({100 * r['frac_of_bw_floor']:.0f} % of the bandwidth floor; TOPS per busy thread "
+                  f"gate_up {r['gate_up_TOPS_per_busy_thread']} down {r['down_TOPS_per_busy_thread']}) | "
                   f"busy/wait ms (sum over threads): {ph}", flush=True)
         if a.variants:
             kv, km, _ = _kernel_pair(scheme, None)

@@ -686,10 +686,20 @@ def moe_job(nth, jctrl, desc):
                                r1 - r0 <= gemv_max * R)
                     if ph == 2 and nb0 == 0 and nb1 == nb13:
                         # a whole expert (the plan's "fused"): its activations and down GEMM now,
-                        # while gu's and hq's rows are in this core's cache
+                        # while gu's and hq's rows are in this core's cache. A profile books
+                        # them under phases 3 and 4 (which have no tasks of their own here).
+                        if pa != 0:
+                            c_act = cycles()
+                            prof[2, 0] += c_act - tc
                         _act_rows(gu, r0, r1, I, up_off, hq, hs, acc, bf16, R)
+                        if pa != 0:
+                            c_down = cycles()
+                            prof[3, 0] += c_down - c_act
                         _gemm_task(desc, scheme, 1, e, r0, r1, np.int64(0), nb2,
                                    r1 - r0 <= gemv_max * R)
+                        if pa != 0:
+                            tc = cycles()
+                            prof[4, 0] += tc - c_down
                 elif ph == 3:
                     rows = jctrl[pbase + 2 * CTRL_STRIDE]
                     rb = jctrl[base + 2 * CTRL_STRIDE + 1]

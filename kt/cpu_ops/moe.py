@@ -464,7 +464,9 @@ class CPUMoE:
         Returns {"wall_ms", "threads", "phases": {name: {"busy_ms", "wait_ms", "share"}}}: busy is
         the time participants spent inside the phase's tasks and wait the time they spent at its
         closing barrier, both summed over participants and averaged over repeats; share is the
-        phase's part of all busy time. A diagnostic (it times with the CPU's time-stamp counter);
+        phase's part of all busy time. When prefill tasks are whole experts, their activations
+        and down GEMM are booked under "act" and "down" (those phases then have no barrier wait of
+        their own). A diagnostic (it times with the CPU's time-stamp counter);
         the plain call path never does.
         """
         import time

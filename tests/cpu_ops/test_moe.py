@@ -226,6 +226,29 @@ def test_torch_io_and_async(pool):
     assert o16.dtype == np.float16
 
 
+def test_profile_books_every_phase(pool):
+    """CPUMoE.profile: the same output as a plain call, and busy time in the phases that ran:
+    split tasks (decode-sized: act and down phases of their own) and whole-expert tasks (prefill:
+    the fused tasks' activations and down GEMM booked under act and down)."""
+    m = layer("int8", "double", pool=pool)[0]
+    rng = np.random.default_rng(9)
+    for T in (1, 64):
+        x = rng.standard_normal((T, m.hidden), dtype=np.float32)
+        ids, w = routing(rng, T, m.num_experts, 3, skip_frac=0.0)
+        m.blocks_per_task = (0, 0) if T > 1 else (1, 1)
+        want = m(x, ids, w)
+        p = m.profile(x, ids, w, repeats=2)
+        assert p["threads"] == pool.num_threads and p["wall_ms"] > 0
+        assert set(p["phases"]) == {"plan", "quantise", "gate_up", "act", "down", "combine"}
+        for name in ("plan", "gate_up", "act", "down", "combine"):
+            assert p["phases"][name]["busy_ms"] > 0, (T, name, p["phases"])
+        assert abs(sum(v["share"] for v in p["phases"].values()) - 1) < 1e-9
+        assert np.array_equal(m(x, ids, w), want)
+    m.blocks_per_task = (0, 0)
+    with pytest.raises(ValueError, match="repeats"):
+        m.profile(x, ids, w, repeats=0)
+
+
 def test_nan_and_inf_propagate_per_token(pool):
     for scheme in ("int8", "bf16"):
         m = layer(scheme, "double", pool=pool)[0]
