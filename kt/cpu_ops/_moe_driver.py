@@ -33,6 +33,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 from . import cache as _cache
+from .actquant import _f32_as_u32, _u32_as_f32, quant_row_i8
 from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, _sched_yield,
                    atomic_add, atomic_load, atomic_store, cpu_pause, icall_codegen, native_address)
 
@@ -100,36 +101,6 @@ def cycles(typingctx):
 @njit(cache=True)
 def read_cycles():
     return cycles()
-
-
-@intrinsic
-def _u32_as_f32(typingctx, v):
-    """The low 32 bits of an integer, reinterpreted as fp32."""
-    if not isinstance(v, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        from llvmlite import ir
-
-        a = args[0]
-        if a.type.width > 32:
-            a = builder.trunc(a, ir.IntType(32))
-        elif a.type.width < 32:
-            a = builder.zext(a, ir.IntType(32))
-        return builder.bitcast(a, context.get_value_type(types.float32))
-
-    return types.float32(v), codegen
-
-
-@intrinsic
-def _f32_as_u32(typingctx, v):
-    if v != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], context.get_value_type(types.uint32))
-
-    return types.uint32(v), codegen
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -288,34 +259,6 @@ def id_range(ids):
 
 
 # ----------------------------------------------------------------------------- activations
-
-@njit(nogil=True, cache=True)
-def quant_row_i8(src, dst, n):
-    """Per-row symmetric int8 of src[:n] (fp32) into dst (int8, zero beyond n); returns the scale.
-
-    Exactly reference.quantize_act: xs = amax / 127, q = clip(rint(x * (127 / amax))); a NaN in
-    the row makes the scale NaN (so the row's outputs are NaN), an all-zero row has scale 0.
-    Branch-free loops, so that LLVM vectorises them.
-    """
-    amax = np.float32(0.0)
-    nan = False
-    for j in range(n):
-        a = abs(src[j])
-        amax = a if a > amax else amax
-        nan |= a != a
-    if nan:
-        amax = np.float32(np.nan)
-    inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
-    for j in range(n):
-        q = np.rint(src[j] * inv)
-        q = q if q < np.float32(127.0) else np.float32(127.0)
-        q = q if q > np.float32(-127.0) else np.float32(-127.0)
-        q = q if q == q else np.float32(0.0)
-        dst[j] = np.int8(q)
-    for j in range(n, dst.shape[0]):
-        dst[j] = 0
-    return amax / np.float32(127.0)
-
 
 @njit(nogil=True, cache=True, inline="always")
 def exp_f32(x):
@@ -511,25 +454,31 @@ def _quantise_tokens(x, t0, ta, tb, pos, H, xg, xs, acc, bf16, R):
                     xs[r + lv] = xs[first + lv]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
 def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16, R):
     """Phase 3 for gathered rows [ra, rb) (whole slots: R rows each, their gate/up outputs
-    summed): h = silu(gate) * up into the participant's row ``h``, then requantised into hq
-    (simple loops: LLVM vectorises them, the fused one it did not)."""
+    summed): h = silu(gate) * up into the participant's row ``h``, then requantised into hq.
+
+    Written so that LLVM vectorises every loop: separate exp and SiLU loops (the fused one was
+    not), the up half as a slice (an index ``up_off + j`` may be negative to Numba, and its
+    wraparound branch blocked vectorising), NumPy's error model (Python's raises on a zero
+    divisor, a branch per element) and fused multiply-adds in the exp polynomial. Together 3x
+    faster than the plain loops."""
     for r in range(ra, rb, R):
-        g = gu[r]
+        g = gu[r, :I]
+        u = gu[r, up_off:up_off + I]
         if R == 2:
-            g2 = gu[r + 1]
+            g2 = gu[r + 1, :I]
+            u2 = gu[r + 1, up_off:up_off + I]
             for j in range(I):
                 h[j] = exp_f32(-(g[j] + g2[j]))
             for j in range(I):
-                h[j] = ((g[j] + g2[j]) / (np.float32(1.0) + h[j])
-                        * (g[up_off + j] + g2[up_off + j]))
+                h[j] = (g[j] + g2[j]) / (np.float32(1.0) + h[j]) * (u[j] + u2[j])
         else:
             for j in range(I):
                 h[j] = exp_f32(-g[j])
             for j in range(I):
-                h[j] = g[j] / (np.float32(1.0) + h[j]) * g[up_off + j]
+                h[j] = g[j] / (np.float32(1.0) + h[j]) * u[j]
         _quant_rows(h, hq, hs, r, I, bf16, R)
 
 

@@ -1,4 +1,4 @@
-"""Activation preparation for the GEMM kernels (scalar Numba, any x86-64): int8 per token and bf16.
+"""Activation preparation for the GEMM kernels (plain Numba, any x86-64): int8 per token and bf16.
 
 Both write into caller-owned buffers padded to the packed depth d_pad, zeros beyond D, so a kernel
 can run over whole 64-byte lines. Results are bit-identical to ``kt.reference.quantize_act`` and
@@ -7,49 +7,80 @@ can run over whole 64-byte lines. Results are bit-identical to ``kt.reference.qu
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
 
 from . import cache
 
 cache.install()
 
-_F127 = np.float32(127.0)
-_F0 = np.float32(0.0)
+@intrinsic
+def _u32_as_f32(typingctx, v):
+    """The low 32 bits of an integer, reinterpreted as fp32."""
+    if not isinstance(v, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        from llvmlite import ir
+
+        a = args[0]
+        if a.type.width > 32:
+            a = builder.trunc(a, ir.IntType(32))
+        elif a.type.width < 32:
+            a = builder.zext(a, ir.IntType(32))
+        return builder.bitcast(a, context.get_value_type(types.float32))
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def _f32_as_u32(typingctx, v):
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(v), codegen
+
+
+@njit(nogil=True, cache=True)
+def quant_row_i8(src, dst, n):
+    """Per-row symmetric int8 of src[:n] (fp32) into dst (int8, zero beyond n); returns the scale.
+
+    Exactly reference.quantize_act: xs = amax / 127, q = clip(rint(x * (127 / amax))); a NaN in
+    the row makes the scale NaN (so the row's outputs are NaN), an all-zero row has scale 0.
+    Branch-free loops, so that LLVM vectorises them; the absolute maximum is taken over the
+    bit patterns with the sign cleared (an integer max vectorises, an fp32 one with NaN semantics
+    does not: 7x faster), where every NaN pattern is above +inf's.
+    """
+    mb = np.uint32(0)
+    for j in range(n):
+        b = _f32_as_u32(src[j]) & np.uint32(0x7FFFFFFF)
+        mb = b if b > mb else mb
+    amax = _u32_as_f32(mb)
+    if mb > np.uint32(0x7F800000):
+        amax = np.float32(np.nan)
+    inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
+    for j in range(n):
+        q = np.rint(src[j] * inv)
+        q = q if q == q else np.float32(0.0)  # NaN (a NaN or Inf times inv = 0) -> 0 first
+        q = q if q < np.float32(127.0) else np.float32(127.0)
+        q = q if q > np.float32(-127.0) else np.float32(-127.0)
+        dst[j] = np.int8(q)
+    for j in range(n, dst.shape[0]):
+        dst[j] = 0
+    return amax / np.float32(127.0)
 
 
 @njit(nogil=True, cache=True)
 def quantize_rows(x, xq, xs):
     """x fp32 [M, D] -> xq int8 [M, d_pad] (zero beyond D), xs fp32 [M] (per-token scale).
 
-    Exactly reference.quantize_act: xs = amax / 127, xq = clip(rint(x * (127 / amax)), -127, 127)
-    in fp32, round half to even; an all-zero row (or one holding Inf) gives inv = 0; NaN -> 0.
+    Exactly reference.quantize_act, row by row through ``quant_row_i8``.
     """
-    m_count, d = x.shape
-    d_pad = xq.shape[1]
-    for m in range(m_count):
-        amax = _F0
-        has_nan = False
-        for k in range(d):
-            a = abs(x[m, k])
-            if a != a:
-                has_nan = True
-            elif a > amax:
-                amax = a
-        if has_nan:
-            amax = np.float32(np.nan)
-        xs[m] = amax / _F127
-        inv = _F127 / amax if amax > _F0 else _F0
-        for k in range(d):
-            v = np.rint(x[m, k] * inv)
-            if v != v:
-                v = _F0
-            elif v > _F127:
-                v = _F127
-            elif v < -_F127:
-                v = -_F127
-            xq[m, k] = np.int8(v)
-        for k in range(d, d_pad):
-            xq[m, k] = 0
+    for m in range(x.shape[0]):
+        xs[m] = quant_row_i8(x[m], xq[m], x.shape[1])
 
 
 @njit(nogil=True, cache=True)
