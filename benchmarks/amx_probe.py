@@ -2,6 +2,7 @@
 
 Each thread (pinned to its own CPU) runs the large-M kernel on its own weights, either warm (one
 matrix, called again and again) or cold (its own copies, called in turn, so B comes from DRAM),
+or cold_out (cold, and each call writes an output buffer another thread wrote last),
 with the layer's per-expert shapes (gate+up N=1536, D=2048; M = 128 is T=2048's tokens per
 expert, M = 512 the one-core figure of issue 3). Thread sets: one CPU, one CPU per physical core,
 every CPU. Variants run interleaved, round by round. Also the tile-resident peak per thread set
@@ -171,14 +172,19 @@ def probe_shape(KA, a, rows, sets, peaks, nthr, rng, n, d, scheme, p):
         res = {}
         for _ in range(a.rounds):
             for sname, cpus in sets.items():
-                for temp in ("warm", "cold"):
+                for temp in ("warm", "cold", "cold_out"):
                     for name, f in variants.items():
                         def fn_for(i, f=f, temp=temp):
                             cs = copies[i]
                             out = outs[i]
                             if temp == "warm":
                                 return lambda: [f(cs[0], out) for _ in range(calls)]
-                            return lambda: [f(cs[j % len(cs)], out) for j in range(calls)]
+                            if temp == "cold":
+                                return lambda: [f(cs[j % len(cs)], out) for j in range(calls)]
+                            # cold weights and an output last written by another thread (as the
+                            # layer's shared gu / y rows): ownership moves between cores
+                            return lambda: [f(cs[j % len(cs)], outs[(i + j) % nthr])
+                                            for j in range(calls)]
                         took = run_threads(cpus, fn_for)
                         per_thr = ops * calls / statistics.mean(took)
                         res.setdefault((sname, temp, name), []).append(per_thr)
