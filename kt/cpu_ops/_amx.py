@@ -28,6 +28,7 @@ __all__ = [
     "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
     "tileloadd64", "tilestored64", "tdpbssd", "tdpbsud", "tdpbf16ps",
     "row16_scale_store", "row16_fma", "row16_mul_store", "copy64", "unpack_int4_line", "prefetch_l1", "prefetch_l2",
+    "prefetch_w",
 ]
 
 _I8 = ir.IntType(8)
@@ -341,8 +342,9 @@ def unpack_int4_line(typingctx, src, si, dst, di):
     return types.none(src, si, dst, di), codegen
 
 
-def _prefetch(what: str, locality: int):
-    """An intrinsic for a software prefetch (``llvm.prefetch`` read hint of ``locality``)."""
+def _prefetch(what: str, locality: int, rw: int = 0):
+    """An intrinsic for a software prefetch (``llvm.prefetch``: a read (rw 0) or write (rw 1)
+    hint of ``locality``)."""
 
     def typer(typingctx, ary, index):
         _check_mem(ary, index, what)
@@ -351,7 +353,7 @@ def _prefetch(what: str, locality: int):
             p = builder.bitcast(_vptr(context, builder, sig, args, 0, _I8X64), _PTR)
             i32 = ir.IntType(32)
             _call(builder, "llvm.prefetch.p0", [_PTR, i32, i32, i32],
-                  [p, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])
+                  [p, ir.Constant(i32, rw), ir.Constant(i32, locality), ir.Constant(i32, 1)])
             return context.get_dummy_value()
 
         return types.none(ary, index), codegen
@@ -361,6 +363,8 @@ def _prefetch(what: str, locality: int):
 
 
 # prefetch_l1(ary, index) / prefetch_l2(ary, index): the cache line holding ary[index] into L1
-# (prefetcht0) / L2 (prefetcht1)
+# (prefetcht0) / L2 (prefetcht1); prefetch_w: into L1 with intent to write (prefetchw: the line's
+# ownership is requested now, so a later store does not wait for it)
 prefetch_l1 = _prefetch("prefetch_l1", 3)
 prefetch_l2 = _prefetch("prefetch_l2", 2)
+prefetch_w = _prefetch("prefetch_w", 3, rw=1)

@@ -38,7 +38,7 @@ import numpy as np
 from numba import njit
 
 from . import cache
-from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, require_amx, row16_fma,
+from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, prefetch_w, require_amx, row16_fma,
                    row16_mul_store, row16_scale_store, set_tilecfg, tdpbf16ps, tdpbssd, tilezero,
                    tileloadd64, tilerelease, tilestored64, unpack_int4_line)
 
@@ -225,7 +225,8 @@ def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
 
 
 @njit(nogil=True, cache=True)
-def _pipe_panel(ap, a0, a1, data, o0, o1, k0, k1, sb, bf, pfb, nxt0, nxt1, pl0, per, nlines):
+def _pipe_panel(ap, a0, a1, data, o0, o1, k0, k1, sb, bf, pfb, nxt0, nxt1, pl0, per, nlines,
+                out, wo, wst, wrows, wtwo):
     """One 32x32 output panel over k-steps [k0, k1), accumulated into tiles C 0-3 (which the
     caller has zeroed or loaded with the partial sums of the earlier K slices), software-pipelined.
 
@@ -236,9 +237,13 @@ def _pipe_panel(ap, a0, a1, data, o0, o1, k0, k1, sb, bf, pfb, nxt0, nxt1, pl0, 
     bf: tdpbf16ps instead of tdpbssd. pfb > 0: prefetch B of k-step s + pfb into L1 (cold B).
     per > 0: also prefetch ``per`` lines per k-step of the next block pair (data[nxt0:] then
     data[nxt1:], nlines lines each, continuing at line pl0) into L2; returns the next line.
+    wrows > 0: request ownership (prefetchw) of the output lines the epilogue will write, spread
+    over the k-steps: out[wo + r * wst] for r < wrows (and the next 16 elements if wtwo), so the
+    stores into rows another core wrote last do not wait for their lines.
     C0 = rows 0-15 x block 0, C1 = x block 1, C2/C3 rows 16-31.
     """
     lw = 64 // data.itemsize  # elements per line
+    wper = (wrows + k1 - k0 - 1) // (k1 - k0)
     tileloadd64(4, ap, a0 + k0 * sb, 64)
     tileloadd64(6, data, o0 + k0 * sb, 64)
     tileloadd64(5, ap, a1 + k0 * sb, 64)
@@ -255,6 +260,10 @@ def _pipe_panel(ap, a0, a1, data, o0, o1, k0, k1, sb, bf, pfb, nxt0, nxt1, pl0, 
             elif pl < 2 * nlines:
                 prefetch_l2(data, nxt1 + lw * (pl - nlines))
             pl += 1
+        for q in range((s - k0) * wper, min((s - k0 + 1) * wper, wrows)):
+            prefetch_w(out, wo + q * wst)
+            if wtwo:
+                prefetch_w(out, wo + q * wst + 16)
         nxt = s + 1 < k1
         if bf:
             tdpbf16ps(0, 4, 6)
@@ -294,13 +303,15 @@ def _pipe_pair_prefetch(b, nb1, blk, npan, ks):
 
 
 @njit(nogil=True, cache=True)
-def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, bf, xs, scale):
+def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, bf, xs, scale):
     """The pipelined large-M GEMM of ``gemm_int8_pipe`` (bf False: int8 A, int32 products scaled
     by xs[m] * scale[n]) and ``gemm_bf16_pipe`` (bf True: bf16-bits A, fp32 products copied).
 
     kc: k-steps per K slice. With kc >= K steps every panel runs over the whole K at once; with
     fewer, the loop is pair -> K slice -> panel, so the pair's B slice (2 kc KiB) stays in L1 while
-    every panel of the M chunk reads it, and the panels' partial sums go through a buffer."""
+    every panel of the M chunk reads it, and the panels' partial sums go through a buffer.
+    pfw: prefetch the output lines for writing during a panel's last K slice (outputs that
+    another core wrote last: the MoE layer's shared gu / y rows)."""
     m_all = a.shape[0]
     kel = 64 // a.itemsize          # A elements per 64-byte k-step row
     ks = a.shape[1] // kel
@@ -340,8 +351,10 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, bf, xs, scale):
                         tileloadd64(2, cp, lr + 512, 128)
                         tileloadd64(3, cp, lr + 528, 128)
                     a0 = (mp // 16) * ks * sb
+                    wrows = min(32, m_all - mp) if pfw and k1 == ks else 0
                     pl = _pipe_panel(ap, a0, a0 + ks * sb, data, o0, o1, k0, k1, sb, bf,
-                                     pfb if mp == mc0 else 0, n0, n1, pl, per, nlines)
+                                     pfb if mp == mc0 else 0, n0, n1, pl, per, nlines,
+                                     out, mp * ost + 16 * b, ost, wrows, b + 1 < nb1)
                     tilestored64(0, cp, lr, 128)
                     tilestored64(1, cp, lr + 16, 128)
                     tilestored64(2, cp, lr + 512, 128)
@@ -366,19 +379,19 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, bf, xs, scale):
 
 
 @njit(nogil=True, cache=True)
-def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, kc, pfb, l2):
+def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, kc, pfb, l2, pfw):
     """Large-M INT8, software-pipelined (``_pipe_panel``), mc rows per M chunk, kc k-steps per K
     slice (>= K steps: whole K per panel); pfb: L1 prefetch distance of cold B (k-steps, 0: none);
-    l2: prefetch the next block pair into L2 while this one is computed. Same result as
-    ``gemv_int8``."""
-    _gemm_pipe(xq, data, out, nb0, nb1, mc, kc, pfb, l2, False, xs, scale)
+    l2: prefetch the next block pair into L2 while this one is computed; pfw: prefetch the
+    output lines for writing. Same result as ``gemv_int8``."""
+    _gemm_pipe(xq, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, False, xs, scale)
 
 
 @njit(nogil=True, cache=True)
-def gemm_bf16_pipe(xb, data, out, nb0, nb1, mc, kc, pfb, l2):
+def gemm_bf16_pipe(xb, data, out, nb0, nb1, mc, kc, pfb, l2, pfw):
     """Large-M BF16 with the pipelined panel of ``gemm_int8_pipe`` (tdpbf16ps, 32 k per step).
     Same result as ``gemm_bf16`` when K is not sliced (the same per-panel fp32 summation order)."""
-    _gemm_pipe(xb, data, out, nb0, nb1, mc, kc, pfb, l2, True, _NO_XS, _NO_XS)
+    _gemm_pipe(xb, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, True, _NO_XS, _NO_XS)
 
 
 @njit(nogil=True, cache=True)
@@ -387,7 +400,7 @@ def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     block pair prefetched into L2 (device run 2, 16 threads, qwen3 layer: 16 % faster than the
     blocked kernel at T=512, 8 % at T=2048)."""
     gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 1 << 30, 0,
-                   True)
+                   True, True)
 
 
 # ----------------------------------------------------------------------------- INT4
@@ -694,7 +707,8 @@ def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
 def gemm_bf16(xb, data, out, nb0, nb1):
     """Large-M BF16 (same contract as ``gemv_bf16``): the pipelined kernel with L2 prefetch
     (device run 2, qwen3 layer, 16 threads: 24 % faster than blocked at T=512, 21 % at 2048)."""
-    gemm_bf16_pipe(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 1 << 30, 0, True)
+    gemm_bf16_pipe(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 1 << 30, 0, True,
+                   True)
 
 
 # ----------------------------------------------------------------------------- roofline

@@ -294,6 +294,7 @@ class TileUnit:
         self.colsb = [0] * 8
         self.reg = np.zeros((8, 16, 64), np.uint8)
         self.configured = False
+        self.prefetched_w = set()
 
     def ldtilecfg(self, cfg):
         assert cfg.dtype == np.uint8 and cfg.size == 64 and cfg[0] == 1 and cfg[1] == 0
@@ -373,6 +374,11 @@ class TileUnit:
     def prefetch_l2(self, ary, index):
         pass
 
+    def prefetch_w(self, ary, index):
+        # a hint too, but the kernels aim it at the output lines they write: check the aim
+        assert 0 <= index < ary.size, f"prefetch_w outside the output ({index} of {ary.size})"
+        self.prefetched_w.add(index)
+
     def _shapes(self, c, a, b):
         self._check(c, a, b)
         m, k = self.rows[a], self.colsb[a]
@@ -414,7 +420,7 @@ def emulated_kernels(monkeypatch):
     unit = TileUnit()
     for name in ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tilestored64",
                  "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_fma", "row16_mul_store",
-                 "copy64", "unpack_int4_line", "prefetch_l1", "prefetch_l2"):
+                 "copy64", "unpack_int4_line", "prefetch_l1", "prefetch_l2", "prefetch_w"):
         setattr(mod, name, getattr(unit, name))
     mod.unit = unit
     monkeypatch.undo()
@@ -470,10 +476,10 @@ def _check_blocked(mod, scheme, pf):
         # K slices keep each panel's fp32 summation order (partial sums stored exactly)
         for mc, kc, l2 in ((32, 99, True), (64, 99, False), (32, 1, True), (64, 3, True)):
             pipe = np.full((m, p.n_pad), np.nan, np.float32)
-            mod.gemm_bf16_pipe(xb, p.data, pipe, 0, nb, mc, kc, pf, l2)
+            mod.gemm_bf16_pipe(xb, p.data, pipe, 0, nb, mc, kc, pf, l2, l2)
             assert_exact(whole, pipe, what=f"bf16 pipelined pf={pf} mc={mc} kc={kc} vs gemm")
         part = np.full((m, p.n_pad), np.nan, np.float32)
-        mod.gemm_bf16_pipe(xb, p.data, part, 1, nb, 64, 2, pf, True)
+        mod.gemm_bf16_pipe(xb, p.data, part, 1, nb, 64, 2, pf, True, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="bf16 pipelined block range")
         xr, wr = ref.bf16_round(x), ref.dequantize(ref.quantize(w, "bf16"))
@@ -491,10 +497,15 @@ def _check_blocked(mod, scheme, pf):
         # range inside the matrix leaves the other columns untouched
         for mc, kc, l2 in ((32, 99, True), (64, 99, False), (32, 1, True), (64, 3, True)):
             pipe = np.full((m, p.n_pad), np.nan, np.float32)
-            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, mc, kc, pf, l2)
+            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, mc, kc, pf, l2, l2)
             assert_exact(whole, pipe, what=f"int8 pipelined pf={pf} mc={mc} kc={kc} vs gemm")
+        if hasattr(mod, "unit"):  # emulated: pfw requested exactly the lines the epilogue wrote
+            mod.unit.prefetched_w.clear()
+            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, 32, 99, pf, True, True)
+            assert mod.unit.prefetched_w == {r * p.n_pad + 16 * b for r in range(m)
+                                             for b in range(nb)}
         part = np.full((m, p.n_pad), np.nan, np.float32)
-        mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, 2, pf, True)
+        mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, 2, pf, True, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="int8 pipelined block range")
         gv = np.full((m, p.n_pad), np.nan, np.float32)
