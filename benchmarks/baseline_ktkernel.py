@@ -99,6 +99,7 @@ def main():
     Ts = [int(t) for t in a.T.split(",")]
     res = {"shape": dict(E=E, K=K, H=H, I=I), "threads": a.threads, "rows": [], "errors": {}}
     out_path = Path(a.out, f"ktkernel_vs_kt_{a.side}.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         ext = load_ext(a.ktk)
         res["ktkernel_variant"] = getattr(ext, "__cpu_variant__", "amx")

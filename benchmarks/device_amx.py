@@ -367,7 +367,7 @@ def gemm_sweep():
         for kc in ((128, 256) if DRY else (256, 512, 1024, 2048)):
             res["int4_g64"].append(_sweep_row(
                 lambda: K.gemm_int4_blocked(xq, xs, p4.data, p4.scale, 64, out, 0, p4.num_blocks,
-                                            mc, kc, False), ops, pk8, mc=mc, kc=kc))
+                                            mc, kc, False, False), ops, pk8, mc=mc, kc=kc))
     return res
 
 

@@ -488,10 +488,12 @@ def gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1, pfg):
 
 
 @njit(nogil=True, cache=True)
-def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, l2):
+def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, l2, pfw):
     """Large-M INT4 with explicit blocking: mc rows per M chunk (multiple of 32), kc K per slice
     (a multiple of 64 and of G); l2: while a (block pair, K slice) is computed, prefetch the
-    packed lines of the next one into L2 (cold weights). Same result as ``gemv_int4``."""
+    packed lines of the next one into L2 (cold weights); pfw: during a panel's last K slice,
+    prefetch its output lines for writing (as ``gemm_int8_pipe``). Same result as
+    ``gemv_int4``."""
     g = group_size
     tk = min(g, 64)
     spg = g // tk
@@ -530,7 +532,16 @@ def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, l2
                     if k0 == 0:
                         acc[lr:lr + 32, :] = 0.0
                     t0 = mp // 16
+                    wrows = rv if pfw and k1 == d_pad else 0
+                    wper = (wrows * g + k1 - k0 - 1) // (k1 - k0)  # rows per group
+                    wq = 0
                     for gi in range(k0 // g, k1 // g):
+                        for _ in range(wper):
+                            if wq < wrows:
+                                prefetch_w(out, (mp + wq) * ost + 16 * b)
+                                if two:
+                                    prefetch_w(out, (mp + wq) * ost + 16 * b + 16)
+                            wq += 1
                         for _ in range(per):
                             if pl < nkl:
                                 prefetch_l2(data, (nb_ * lines + nk0 // 8 + pl) * 64)
@@ -582,7 +593,7 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """Large-M INT4 (same contract as ``gemv_int4``): 2x2 tiles, per-group fp32 flush, blocking."""
     kc = max(512, group_size)
     gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, default_mc(xq.shape[1]), kc,
-                      True)
+                      True, True)
 
 
 # ----------------------------------------------------------------------------- BF16

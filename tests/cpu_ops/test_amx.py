@@ -512,7 +512,12 @@ def _check_blocked(mod, scheme, pf):
         mod.gemv_int8_pf(xq, xs, p.data, p.scale, gv, 0, nb, pf)
         assert_exact(whole, gv, what=f"int8 gemv pf={pf} vs gemm")
     else:
-        mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64, pf > 0)
+        if hasattr(mod, "unit"):
+            mod.unit.prefetched_w.clear()
+        mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64, pf > 0, True)
+        if hasattr(mod, "unit"):  # emulated: pfw requested exactly the lines the epilogue wrote
+            assert mod.unit.prefetched_w == {r * p.n_pad + 16 * b for r in range(m)
+                                             for b in range(nb)}
         gv = np.full((m, p.n_pad), np.nan, np.float32)
         mod.gemv_int4_pf(xq, xs, p.data, p.scale, 64, gv, 0, nb, pf)
         ref_gv = np.full((m, p.n_pad), np.nan, np.float32)
