@@ -68,11 +68,13 @@ def run_threads(cpus, fn_for):
     return took
 
 
-def peak(KA, cpus, bf):
+def peak(KA, cpus, bf, zero=False):
+    """Tile-resident peak of the thread set (ops/s, all threads together); random tiles unless
+    ``zero``."""
     n = 200000
     f = KA.peak_bf16 if bf else KA.peak_int8
-    f(1000)
-    best = min(max(run_threads(cpus, lambda i: (lambda: f(n)))) for _ in range(3))
+    f(1000, zero)
+    best = min(max(run_threads(cpus, lambda i: (lambda: f(n, zero)))) for _ in range(3))
     return n * 4 * 2 * 16 * 16 * (32 if bf else 64) * len(cpus) / best
 
 

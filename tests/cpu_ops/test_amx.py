@@ -277,8 +277,25 @@ def test_gemv_and_gemm_agree_across_m_tails(K):
 
 @needs_amx
 def test_peak_loops_count_ops(K):
-    assert K.peak_int8(10) == 10 * 4 * 2 * 16 * 16 * 64
-    assert K.peak_bf16(10) == 10 * 4 * 2 * 16 * 16 * 32
+    for zero in (False, True):
+        assert K.peak_int8(10, zero) == 10 * 4 * 2 * 16 * 16 * 64
+        assert K.peak_bf16(10, zero) == 10 * 4 * 2 * 16 * 16 * 32
+
+
+def test_emulated_peak_loops_use_random_tiles(EK):
+    """The peak loops multiply random (not zero) tiles, as a GEMM does; bf16 inputs are finite."""
+    from kt import reference as ref
+    for bf in (False, True):
+        with np.errstate(over="ignore"):  # the generator's uint32 wrap-around, as in Numba
+            EK._peak(3, bf, False)
+        ins = EK.unit.reg[4:8]
+        assert (ins != 0).mean() > 0.9
+        if bf:
+            vals = ref.bf16_bits_to_f32(ins.view(np.uint16))
+            assert np.isfinite(vals).all() and ((np.abs(vals) >= 1) & (np.abs(vals) < 2)).all()
+        with np.errstate(over="ignore"):
+            EK._peak(3, bf, True)
+        assert not EK.unit.reg[4:8].any()
 
 
 # ----------------------------------------------------------------------------- emulated tile unit
