@@ -148,15 +148,14 @@ def probe_shape(KA, a, rows, sets, peaks, nthr, rng, n, d, scheme, p):
         ks = d // (32 if bf else 64)
         outs = [np.zeros((m, p.n_pad), np.float32) for _ in range(nthr)]
 
-        def kern(kc, l2, pfw=False, defer=False):
+        def kern(kc, l2, pfw=False):
             if bf:
                 return lambda data, out: KA.gemm_bf16_pipe(xa, data, out, 0, nb, mc, kc, 0, l2,
-                                                           pfw, defer)
+                                                           pfw)
             return lambda data, out: KA.gemm_int8_pipe(xa, xs, data, p.scale, out, 0, nb, mc,
-                                                       kc, 0, l2, pfw, defer)
+                                                       kc, 0, l2, pfw)
 
         variants = {"pipe": kern(ks, True), "pipe_pfw": kern(ks, True, True),
-                    "pipe_defer": kern(ks, True, True, True),
                     "pipe_kc8": kern(8, True), "pipe_kc16": kern(16, True)}
         if not bf:
             variants["blocked_kc8"] = lambda data, out: KA.gemm_int8_blocked(

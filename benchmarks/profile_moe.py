@@ -89,7 +89,7 @@ def interleaved(variants, T, reps, rng, shape):
 def _amx_variants(scheme):
     """Alternative large-M kernels for ``kernels=`` (contract signatures), by name: the
     K-sliced ``gemm_*_blocked`` kernels that were the default before the pipelined ones, and the
-    pipelined kernels with each panel's epilogue between the panels (``defer`` off)."""
+    pipelined kernels without the output prefetch for writing (``pfw``)."""
     from kt.cpu_ops import kernels_amx as KA
 
     if scheme is QuantScheme.INT8:
@@ -101,7 +101,7 @@ def _amx_variants(scheme):
         @njit(nogil=True)
         def k8(xq, xs, data, scale, wsum, out, nb0, nb1):
             KA.gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
-                              1 << 30, 0, True, True, False)
+                              1 << 30, 0, True, False)
     elif scheme is QuantScheme.BF16:
         @njit(nogil=True)
         def k(xb, data, out, nb0, nb1):
@@ -110,10 +110,10 @@ def _amx_variants(scheme):
         @njit(nogil=True)
         def k8(xb, data, out, nb0, nb1):
             KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 1 << 30, 0,
-                              True, True, False)
+                              True, False)
     else:
         return {}
-    return {"blocked": k, "no_defer": k8}
+    return {"blocked": k, "no_pfw": k8}
 
 
 def bandwidth(threads, gib=4.0):
@@ -180,12 +180,12 @@ def gemm_alone(rows, rng):
 
         fns = {
             "blocked": lambda: KA.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, mc, 32, 0),
-            "pipe": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 1 << 30, 0, False, True, True),
-            "pipe_l2": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 1 << 30, 0, True, True, True),
+            "pipe": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 1 << 30, 0, False, True),
+            "pipe_l2": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 1 << 30, 0, True, True),
             "blocked_cold": lambda: KA.gemm_int8_blocked(xq, xs, nxt(), p.scale, out, 0, nb, mc, 32, 0),
-            "pipe_pf8_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 8, False, True, True),
-            "pipe_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 0, True, True, True),
-            "pipe_pf4_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 4, True, True, True),
+            "pipe_pf8_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 8, False, True),
+            "pipe_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 0, True, True),
+            "pipe_pf4_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 4, True, True),
         }
         outs = {}
         for k, f in fns.items():

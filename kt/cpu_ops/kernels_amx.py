@@ -224,30 +224,9 @@ def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     gemv_int8_pf(xq, xs, data, scale, out, nb0, nb1, 4)
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _epi_rows(out, ost, c, co, q0, q1, mp, b, two, bf, xs, scale):
-    """Rows [q0, q1) of a 32x32 panel's epilogue: the int32 (bf: fp32) products stored at
-    c[co:] (32 rows of 32) -> out rows mp + q, columns 16 b (and 16 b + 16 if two), scaled by
-    xs[row] * scale[col] (bf: copied)."""
-    n0 = 16 * b
-    cf = c.view(np.float32)
-    for q in range(q0, q1):
-        oi = (mp + q) * ost + n0
-        ci = co + q * 32
-        if bf:
-            copy64(out, oi, cf, ci)
-        else:
-            row16_scale_store(out, oi, c, ci, scale, n0, xs[mp + q])
-        if two:
-            if bf:
-                copy64(out, oi + 16, cf, ci + 16)
-            else:
-                row16_scale_store(out, oi + 16, c, ci + 16, scale, n0 + 16, xs[mp + q])
-
-
 @njit(nogil=True, cache=True)
 def _pipe_panel(ap, a0, a1, data, o0, o1, k0, k1, sb, bf, pfb, nxt0, nxt1, pl0, per, nlines,
-                out, wo, wst, wrows, wtwo, ce, eo, emp, eb, erows, etwo, xs, scale):
+                out, wo, wst, wrows, wtwo):
     """One 32x32 output panel over k-steps [k0, k1), accumulated into tiles C 0-3 (which the
     caller has zeroed or loaded with the partial sums of the earlier K slices), software-pipelined.
 
@@ -261,14 +240,10 @@ def _pipe_panel(ap, a0, a1, data, o0, o1, k0, k1, sb, bf, pfb, nxt0, nxt1, pl0, 
     wrows > 0: request ownership (prefetchw) of the output lines the epilogue will write, spread
     over the k-steps: out[wo + r * wst] for r < wrows (and the next 16 elements if wtwo), so the
     stores into rows another core wrote last do not wait for their lines.
-    erows > 0: also run the epilogue of the previous panel (its products at ce[eo:], rows emp..,
-    block pair eb, see ``_epi_rows``; wst is the output row stride), a few rows per k-step, so
-    its vector work overlaps this panel's tile products instead of stalling the tile unit.
     C0 = rows 0-15 x block 0, C1 = x block 1, C2/C3 rows 16-31.
     """
     lw = 64 // data.itemsize  # elements per line
     wper = (wrows + k1 - k0 - 1) // (k1 - k0)
-    eper = (erows + k1 - k0 - 1) // (k1 - k0)
     tileloadd64(4, ap, a0 + k0 * sb, 64)
     tileloadd64(6, data, o0 + k0 * sb, 64)
     tileloadd64(5, ap, a1 + k0 * sb, 64)
@@ -298,9 +273,6 @@ def _pipe_panel(ap, a0, a1, data, o0, o1, k0, k1, sb, bf, pfb, nxt0, nxt1, pl0, 
             tdpbssd(1, 4, 7)
         if nxt:
             tileloadd64(4, ap, a0 + (s + 1) * sb, 64)
-        if erows > 0:
-            _epi_rows(out, wst, ce, eo, min((s - k0) * eper, erows),
-                      min((s - k0 + 1) * eper, erows), emp, eb, etwo, bf, xs, scale)
         if bf:
             tdpbf16ps(2, 5, 6)
         else:
@@ -331,7 +303,7 @@ def _pipe_pair_prefetch(b, nb1, blk, npan, ks):
 
 
 @njit(nogil=True, cache=True)
-def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, defer, bf, xs, scale):
+def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, bf, xs, scale):
     """The pipelined large-M GEMM of ``gemm_int8_pipe`` (bf False: int8 A, int32 products scaled
     by xs[m] * scale[n]) and ``gemm_bf16_pipe`` (bf True: bf16-bits A, fp32 products copied).
 
@@ -339,9 +311,7 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, defer, bf, xs, scal
     fewer, the loop is pair -> K slice -> panel, so the pair's B slice (2 kc KiB) stays in L1 while
     every panel of the M chunk reads it, and the panels' partial sums go through a buffer.
     pfw: prefetch the output lines for writing during a panel's last K slice (outputs that
-    another core wrote last: the MoE layer's shared gu / y rows). defer (whole K only): run each
-    panel's epilogue (int32 -> scaled fp32 rows) spread over the next panel's k-steps rather
-    than between the panels, where the tile unit waits for it."""
+    another core wrote last: the MoE layer's shared gu / y rows)."""
     m_all = a.shape[0]
     kel = 64 // a.itemsize          # A elements per 64-byte k-step row
     ks = a.shape[1] // kel
@@ -352,15 +322,9 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, defer, bf, xs, scal
     ap = _pack_a(a, ks, kel)
     mpad = ap.shape[0] * 16
     cp = np.empty((min(mc, mpad), 32), np.int32)
-    ce = np.empty((2, 32, 32), np.int32)  # whole K: two panels' products (deferred epilogue)
+    cpf = cp.view(np.float32)
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
-    one = defer and kc == ks
-    emp = 0      # the pending (deferred) epilogue: rows from emp, pair eb, erows rows, slot eslot
-    eb = 0
-    erows = 0
-    etwo = False
-    eslot = 0
     for mc0 in range(0, mpad, mc):
         mc1 = min(mc0 + mc, mpad)
         npan = (mc1 - mc0) // 32
@@ -390,43 +354,44 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, defer, bf, xs, scal
                     wrows = min(32, m_all - mp) if pfw and k1 == ks else 0
                     pl = _pipe_panel(ap, a0, a0 + ks * sb, data, o0, o1, k0, k1, sb, bf,
                                      pfb if mp == mc0 else 0, n0, n1, pl, per, nlines,
-                                     out, mp * ost + 16 * b, ost, wrows, b + 1 < nb1,
-                                     ce, eslot * 1024, emp, eb, erows, etwo, xs, scale)
-                    if one:
-                        # this panel's epilogue runs during the next panel (or after the loop)
-                        eslot ^= 1
-                        tilestored64(0, ce, eslot * 1024, 128)
-                        tilestored64(1, ce, eslot * 1024 + 16, 128)
-                        tilestored64(2, ce, eslot * 1024 + 512, 128)
-                        tilestored64(3, ce, eslot * 1024 + 528, 128)
-                        emp, eb, erows, etwo = mp, b, min(32, m_all - mp), b + 1 < nb1
-                        continue
+                                     out, mp * ost + 16 * b, ost, wrows, b + 1 < nb1)
                     tilestored64(0, cp, lr, 128)
                     tilestored64(1, cp, lr + 16, 128)
                     tilestored64(2, cp, lr + 512, 128)
                     tilestored64(3, cp, lr + 528, 128)
-                    if k1 == ks:
-                        _epi_rows(out, ost, cp, lr, 0, min(32, m_all - mp), mp, b, b + 1 < nb1,
-                                  bf, xs, scale)
-    _epi_rows(out, ost, ce, eslot * 1024, 0, erows, emp, eb, etwo, bf, xs, scale)
+                    if k1 < ks:
+                        continue
+                    n0c = 16 * b
+                    for i in range(min(32, m_all - mp)):
+                        oi = (mp + i) * ost + n0c
+                        ci = lr + i * 32
+                        if bf:
+                            copy64(out, oi, cpf, ci)
+                        else:
+                            row16_scale_store(out, oi, cp, ci, scale, n0c, xs[mp + i])
+                        if b + 1 < nb1:
+                            if bf:
+                                copy64(out, oi + 16, cpf, ci + 16)
+                            else:
+                                row16_scale_store(out, oi + 16, cp, ci + 16, scale, n0c + 16,
+                                                  xs[mp + i])
     tilerelease()
 
 
 @njit(nogil=True, cache=True)
-def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, kc, pfb, l2, pfw, defer):
+def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, kc, pfb, l2, pfw):
     """Large-M INT8, software-pipelined (``_pipe_panel``), mc rows per M chunk, kc k-steps per K
     slice (>= K steps: whole K per panel); pfb: L1 prefetch distance of cold B (k-steps, 0: none);
     l2: prefetch the next block pair into L2 while this one is computed; pfw: prefetch the
-    output lines for writing; defer: overlap each panel's epilogue with the next panel. Same
-    result as ``gemv_int8``."""
-    _gemm_pipe(xq, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, defer, False, xs, scale)
+    output lines for writing. Same result as ``gemv_int8``."""
+    _gemm_pipe(xq, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, False, xs, scale)
 
 
 @njit(nogil=True, cache=True)
-def gemm_bf16_pipe(xb, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, defer):
+def gemm_bf16_pipe(xb, data, out, nb0, nb1, mc, kc, pfb, l2, pfw):
     """Large-M BF16 with the pipelined panel of ``gemm_int8_pipe`` (tdpbf16ps, 32 k per step).
     Same result as ``gemm_bf16`` when K is not sliced (the same per-panel fp32 summation order)."""
-    _gemm_pipe(xb, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, defer, True, _NO_XS, _NO_XS)
+    _gemm_pipe(xb, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, True, _NO_XS, _NO_XS)
 
 
 @njit(nogil=True, cache=True)
@@ -435,7 +400,7 @@ def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     block pair prefetched into L2 (device run 2, 16 threads, qwen3 layer: 16 % faster than the
     blocked kernel at T=512, 8 % at T=2048)."""
     gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 1 << 30, 0,
-                   True, True, True)
+                   True, True)
 
 
 # ----------------------------------------------------------------------------- INT4
@@ -754,7 +719,7 @@ def gemm_bf16(xb, data, out, nb0, nb1):
     """Large-M BF16 (same contract as ``gemv_bf16``): the pipelined kernel with L2 prefetch
     (device run 2, qwen3 layer, 16 threads: 24 % faster than blocked at T=512, 21 % at 2048)."""
     gemm_bf16_pipe(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 1 << 30, 0, True,
-                   True, True)
+                   True)
 
 
 # ----------------------------------------------------------------------------- roofline

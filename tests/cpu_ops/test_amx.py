@@ -493,10 +493,10 @@ def _check_blocked(mod, scheme, pf):
         # K slices keep each panel's fp32 summation order (partial sums stored exactly)
         for mc, kc, l2 in ((32, 99, True), (64, 99, False), (32, 1, True), (64, 3, True)):
             pipe = np.full((m, p.n_pad), np.nan, np.float32)
-            mod.gemm_bf16_pipe(xb, p.data, pipe, 0, nb, mc, kc, pf, l2, l2, not l2)
+            mod.gemm_bf16_pipe(xb, p.data, pipe, 0, nb, mc, kc, pf, l2, l2)
             assert_exact(whole, pipe, what=f"bf16 pipelined pf={pf} mc={mc} kc={kc} vs gemm")
         part = np.full((m, p.n_pad), np.nan, np.float32)
-        mod.gemm_bf16_pipe(xb, p.data, part, 1, nb, 64, 99, pf, True, True, True)
+        mod.gemm_bf16_pipe(xb, p.data, part, 1, nb, 64, 2, pf, True, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="bf16 pipelined block range")
         xr, wr = ref.bf16_round(x), ref.dequantize(ref.quantize(w, "bf16"))
@@ -514,15 +514,15 @@ def _check_blocked(mod, scheme, pf):
         # range inside the matrix leaves the other columns untouched
         for mc, kc, l2 in ((32, 99, True), (64, 99, False), (32, 1, True), (64, 3, True)):
             pipe = np.full((m, p.n_pad), np.nan, np.float32)
-            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, mc, kc, pf, l2, l2, not l2)
+            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, mc, kc, pf, l2, l2)
             assert_exact(whole, pipe, what=f"int8 pipelined pf={pf} mc={mc} kc={kc} vs gemm")
         if hasattr(mod, "unit"):  # emulated: pfw requested exactly the lines the epilogue wrote
             mod.unit.prefetched_w.clear()
-            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, 32, 99, pf, True, True, True)
+            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, 32, 99, pf, True, True)
             assert mod.unit.prefetched_w == {r * p.n_pad + 16 * b for r in range(m)
                                              for b in range(nb)}
         part = np.full((m, p.n_pad), np.nan, np.float32)
-        mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, 99, pf, True, True, True)
+        mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, 2, pf, True, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="int8 pipelined block range")
         gv = np.full((m, p.n_pad), np.nan, np.float32)
