@@ -727,9 +727,14 @@ def gemm_bf16(xb, data, out, nb0, nb1):
 @njit(nogil=True, cache=True)
 def _peak(iters, bf, zero):
     """The tile-resident product loop of ``peak_int8`` / ``peak_bf16``: four accumulators, four
-    input tiles loaded once from pseudo-random data (bf16: values of magnitude [1, 2), random signs
-    and mantissas), or zeroed when ``zero``. Zero inputs run faster (less switching power, so
-    higher clocks under an all-core load), which overstates what a GEMM can reach."""
+    input tiles zeroed (``zero``) or loaded once from pseudo-random data (bf16: values of
+    magnitude [1, 2), random signs and mantissas).
+
+    Measured on the device (session 3, ``benchmarks/results/amx_diag_s3_run7_peaks.json``): the
+    random-tile loop runs at 0.6x the zero-tile one on one core and 0.7x on all 16, and slower
+    than GEMM panels that multiply random data between tile loads, so back-to-back products on
+    random data are power-limited. The zero-tile rate is the highest measured, so it is the
+    default "peak": fractions of it are conservative."""
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
     buf = np.empty(4096, np.uint8)
@@ -774,14 +779,14 @@ def _peak(iters, bf, zero):
 
 
 @njit(nogil=True, cache=True)
-def peak_int8(iters, zero=False):
-    """Tile-resident tdpbssd loop (no memory traffic) on random int8 tiles (``zero``: zeroed
-    tiles, for comparison); returns the integer ops done (2 per MAC)."""
+def peak_int8(iters, zero=True):
+    """Tile-resident tdpbssd loop (no memory traffic) on zeroed tiles (``zero=False``: random
+    int8 tiles, see ``_peak``); returns the integer ops done (2 per MAC)."""
     return _peak(iters, False, zero)
 
 
 @njit(nogil=True, cache=True)
-def peak_bf16(iters, zero=False):
-    """Tile-resident tdpbf16ps loop on random bf16 tiles (``zero``: zeroed); returns the flops
-    done (2 per MAC)."""
+def peak_bf16(iters, zero=True):
+    """Tile-resident tdpbf16ps loop on zeroed tiles (``zero=False``: random bf16 tiles); returns
+    the flops done (2 per MAC)."""
     return _peak(iters, True, zero)
