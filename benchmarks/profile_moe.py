@@ -70,14 +70,20 @@ def profile(layers, T, reps, rng, shape):
 
 
 def interleaved(variants, T, reps, rng, shape):
-    """variants: {name: [layers]}; calls alternate between variants; returns {name: stats}."""
+    """variants: {name: [layers]}; calls alternate between variants; returns {name: stats}.
+
+    The variants' lists wrap the same weight copies in the same order; variant j starts its
+    rotation j * n / len(variants) copies later, so no call finds the copy the previous call
+    just read in the cache (which biased small-T comparisons)."""
     E, K, H, I = SHAPES[shape]
     x = rng.standard_normal((T, H), dtype=np.float32)
     ts = {n: [] for n in variants}
+    n_copies = min(len(v) for v in variants.values())
+    off = max(1, n_copies // len(variants))
     for i in range(reps + 1):
         ids, w = routing(rng, T, E, K)
-        for n, layers in variants.items():
-            L = layers[i % len(layers)]
+        for j, (n, layers) in enumerate(variants.items()):
+            L = layers[(i + j * off) % len(layers)]
             t0 = time.perf_counter()
             L(x, ids, w)
             if i:
@@ -276,6 +282,12 @@ def main(argv=None):
             if sname == "int8":
                 vars_["chunk1024"] = [CPUMoE(L.w13, L.w2, pool=pool, chunk_tokens=1024)
                                       for L in layers]
+            # finer decode tasks: fixed row blocks per task (the heuristic gives 12-16 at T=1)
+            for bpt in (4, 8):
+                fine = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
+                for L in fine:
+                    L.blocks_per_task = (bpt, bpt)
+                vars_[f"bpt{bpt}"] = fine
             if a.variant_names:
                 keep = set(a.variant_names.split(",")) | {"default"}
                 vars_ = {n: v for n, v in vars_.items() if n in keep}
