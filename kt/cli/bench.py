@@ -73,7 +73,17 @@ def _run(args) -> int:
             gbs = statistics.mean(hit) * per_expert / tmin / 1e9
             print(f"{scheme:<7} {T:>6} {tmin * 1e3:>9.3f} {statistics.median(times) * 1e3:>10.3f} "
                   f"{gbs:>7.1f} {T / tmin:>9.0f}")
+            if args.profile:
+                _print_profile(copies[0].profile(x, ids, w, repeats=args.reps))
     return 0
+
+
+def _print_profile(p) -> None:
+    """One line per driver phase: its share of the busy time and the time spent waiting at its
+    barrier (both summed over the pool's threads, per call)."""
+    parts = [f"{name} {100 * v['share']:.0f}% (wait {v['wait_ms']:.2f} ms)"
+             for name, v in p["phases"].items() if v["busy_ms"] > 0 or v["wait_ms"] > 0]
+    print(f"{'':<7} {'':>6}   phases over {p['threads']} threads: " + ", ".join(parts))
 
 
 def add_parser(subparsers) -> None:
@@ -90,4 +100,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: kt's default pool)")
     p.add_argument("--copies", type=int, default=2, help="weight copies cycled through (default 2)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--profile", action="store_true",
+                   help="also print where each call's time goes, per phase of the MoE driver "
+                        "(CPUMoE.profile: busy share and barrier wait, summed over threads)")
     p.set_defaults(func=_run)

@@ -17,3 +17,12 @@ def test_bench_bad_input(capsys):
     assert main(["bench", "--shape", "tiny", "--tokens", "0"]) == 1
     assert main(["bench", "--shape", "tiny", "--schemes", "fp4"]) == 1
     assert "unknown quantisation scheme" in capsys.readouterr().err
+
+
+def test_bench_profile(capsys):
+    assert main(["bench", "--shape", "tiny", "--tokens", "64", "--schemes", "int8", "--reps", "2",
+                 "--threads", "1", "--profile"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "phases over 1 threads" in ln)
+    shares = {p.split()[0]: float(p.split()[1].rstrip("%")) for p in line.split(": ", 1)[1].split(", ")}
+    assert {"gate_up", "down"} <= set(shares) and abs(sum(shares.values()) - 100) <= len(shares)
