@@ -32,7 +32,7 @@ from numba import njit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from amx_probe import peak, run_threads  # noqa: E402
+from amx_probe import peak_table, run_threads  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
 from kt.cpu_ops.packing import pack  # noqa: E402
 from kt.reference import quantize_act  # noqa: E402
@@ -145,18 +145,8 @@ def main(argv=None):
     cpus = sorted(os.sched_getaffinity(0))
     sets = {"one": cpus[:1], "all": cpus}
     rows = []
-    peaks = {}
-    for sname, cs in sets.items():
-        for bf in (False, True):
-            for zero in (False, True):
-                v = peak(KA, cs, bf, zero) / len(cs)
-                if not bf and zero:
-                    peaks[sname] = v
-                rows.append({"part": "peak", "set": sname, "scheme": "bf16" if bf else "int8",
-                             "tiles": "zero" if zero else "random",
-                             "TOPS_per_thread": round(v / 1e12, 3)})
-                print(f"peak {'bf16' if bf else 'int8'} {sname} {'zero' if zero else 'random'} "
-                      f"tiles: {v / 1e12:.2f} TOPS per thread", flush=True)
+    table = peak_table(KA, sets, rows, zeros=(True, False))
+    peaks = {sname: table[(sname, False, True)] for sname in sets}
     rng = np.random.default_rng(0)
     n, d = 1536, 2048
     p = pack(rng.standard_normal((n, d), dtype=np.float32), "int8")

@@ -78,6 +78,26 @@ def peak(KA, cpus, bf, zero=True):
     return n * 4 * 2 * 16 * 16 * (32 if bf else 64) * len(cpus) / best
 
 
+def peak_table(KA, sets, rows, zeros=(True,)):
+    """Tile-resident peaks per thread set x scheme x tile data (``zeros``: True zeroed tiles,
+    False random), appended to rows and printed; returns {(set, bf, zero): ops/s per thread}."""
+    out = {}
+    for sname, cpus in sets.items():
+        for bf in (False, True):
+            for zero in zeros:
+                p = peak(KA, cpus, bf, zero)
+                out[(sname, bf, zero)] = p / len(cpus)
+                what = f"{'bf16' if bf else 'int8'} {'zero' if zero else 'random'} tiles"
+                rows.append({"part": "peak", "set": sname, "threads": len(cpus),
+                             "scheme": "bf16" if bf else "int8",
+                             "tiles": "zero" if zero else "random",
+                             "TOPS": round(p / 1e12, 3),
+                             "TOPS_per_thread": round(p / len(cpus) / 1e12, 3)})
+                print(f"peak {what} {sname:8s} ({len(cpus):2d} thr): {p / 1e12:6.2f} TOPS, "
+                      f"{p / len(cpus) / 1e12:.2f} per thread", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -105,16 +125,7 @@ def main(argv=None):
     rows = [{"part": "topology", "summary": summary, "cpus": cpus_all, "per_core": cpus_phys}]
     print("\n".join(summary), f"\nCPUs {len(cpus_all)}, physical cores {len(cpus_phys)}",
           flush=True)
-    peaks = {}
-    for sname, cpus in sets.items():
-        for bf in (False, True):
-            p = peak(KA, cpus, bf)
-            peaks[(sname, bf)] = p / len(cpus)
-            rows.append({"part": "peak", "set": sname, "threads": len(cpus),
-                         "scheme": "bf16" if bf else "int8", "TOPS": round(p / 1e12, 3),
-                         "TOPS_per_thread": round(p / len(cpus) / 1e12, 3)})
-            print(f"peak {'bf16' if bf else 'int8'} {sname:8s} ({len(cpus):2d} thr): "
-                  f"{p / 1e12:6.2f} TOPS, {p / len(cpus) / 1e12:.2f} per thread", flush=True)
+    peaks = {(sname, bf): v for (sname, bf, _), v in peak_table(KA, sets, rows).items()}
 
     rng = np.random.default_rng(0)
     nthr = len(cpus_all)
@@ -202,7 +213,6 @@ def probe_shape(KA, a, rows, sets, peaks, nthr, rng, n, d, scheme, p):
             print(f"{scheme} {n}x{d} M={m:4d} {sname:8s} {temp} {name:12s} "
                   f"{r['TOPS_per_thread_max']:.3f} / {r['TOPS_per_thread_median']:.3f} TOPS "
                   f"per thread ({100 * r['of_set_peak']:.0f} % of the set's peak)", flush=True)
-    del copies
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ the ``@njit(cache=True)`` decorators of a kernel module execute.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import sys
 from pathlib import Path

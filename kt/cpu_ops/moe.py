@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import QuantScheme, check_activations
 from . import _moe_driver as drv
-from .packing import BLOCK_N, PackedWeight, pack, padded_dims
+from .packing import BLOCK_N, PackedWeight, pack
 from .pool import CpuPool, default_pool
 
 __all__ = ["CPUMoE", "MoEHandle", "gemv_max_rows"]
