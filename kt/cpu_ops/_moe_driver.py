@@ -33,7 +33,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 from . import cache as _cache
-from .actquant import _f32_as_u32, _u32_as_f32, quant_row_i8
+from .actquant import _u32_as_f32, bf16_bits_to_f32, bf16_row, f32_to_bf16_bits, quant_row_i8
 from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, _sched_yield,
                    atomic_add, atomic_load, atomic_store, cpu_pause, icall_codegen, native_address)
 
@@ -101,19 +101,6 @@ def cycles(typingctx):
 @njit(cache=True)
 def read_cycles():
     return cycles()
-
-
-@njit(nogil=True, cache=True, inline="always")
-def bf16_bits_to_f32(b):
-    return _u32_as_f32(np.uint32(b) << np.uint32(16))
-
-
-@njit(nogil=True, cache=True, inline="always")
-def f32_to_bf16_bits(v):
-    """Round to nearest even, NaN -> 0x7FC0 (exactly reference.f32_to_bf16_bits)."""
-    u = _f32_as_u32(v)
-    b = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-    return b if v == v else np.uint16(0x7FC0)
 
 
 def _to_f32(v):  # pragma: no cover - replaced by the overload in jitted code
@@ -280,15 +267,6 @@ def exp_f32(x):
     scale = _u32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
     res = p * scale
     return res if x == x else x
-
-
-@njit(nogil=True, cache=True)
-def bf16_row(src, dst, n):
-    for j in range(n):
-        dst[j] = f32_to_bf16_bits(src[j])
-    for j in range(n, dst.shape[0]):
-        dst[j] = 0
-    return np.float32(1.0)
 
 
 # ----------------------------------------------------------------------------- planning

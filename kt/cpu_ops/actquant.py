@@ -83,22 +83,36 @@ def quantize_rows(x, xq, xs):
         xs[m] = quant_row_i8(x[m], xq[m], x.shape[1])
 
 
+@njit(nogil=True, cache=True, inline="always")
+def bf16_bits_to_f32(b):
+    return _u32_as_f32(np.uint32(b) << np.uint32(16))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def f32_to_bf16_bits(v):
+    """Round to nearest even, NaN -> 0x7FC0 (exactly reference.f32_to_bf16_bits)."""
+    u = _f32_as_u32(v)
+    b = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    return b if v == v else np.uint16(0x7FC0)
+
+
+@njit(nogil=True, cache=True)
+def bf16_row(src, dst, n):
+    """src[:n] (fp32) -> dst bf16 bits (uint16, zero beyond n); returns 1.0 (the scale slot of
+    the integer rows' quantiser, so the MoE driver treats both alike)."""
+    for j in range(n):
+        dst[j] = f32_to_bf16_bits(src[j])
+    for j in range(n, dst.shape[0]):
+        dst[j] = 0
+    return np.float32(1.0)
+
+
 @njit(nogil=True, cache=True)
 def bf16_rows(x, xb):
-    """x fp32 [M, D] -> xb uint16 [M, d_pad] bf16 bits (round to nearest even, NaN -> 0x7FC0)."""
-    m_count, d = x.shape
-    d_pad = xb.shape[1]
-    for m in range(m_count):
-        bits = x[m].view(np.uint32)
-        for k in range(d):
-            b = np.uint64(bits[k])
-            if (b & np.uint64(0x7FFFFFFF)) > np.uint64(0x7F800000):
-                xb[m, k] = np.uint16(0x7FC0)
-            else:
-                r = (b + np.uint64(0x7FFF) + ((b >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
-                xb[m, k] = np.uint16(r & np.uint64(0xFFFF))
-        for k in range(d, d_pad):
-            xb[m, k] = 0
+    """x fp32 [M, D] -> xb uint16 [M, d_pad] bf16 bits (round to nearest even, NaN -> 0x7FC0),
+    row by row through ``bf16_row``."""
+    for m in range(x.shape[0]):
+        bf16_row(x[m], xb[m], x.shape[1])
 
 
 @njit(nogil=True, cache=True)
