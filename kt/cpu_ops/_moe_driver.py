@@ -210,24 +210,23 @@ def kernel_address(kernel, scheme: int) -> int:
     return native_address(kernel, kernel_signature(scheme))
 
 
+@njit(cache=True, inline="always")
+def _put_slot(desc, slot, a):
+    """Array slot ``slot`` of desc: the data address, then the shape."""
+    desc[slot * SLOT] = a.ctypes.data
+    for i in range(a.ndim):
+        desc[slot * SLOT + 1 + i] = a.shape[i]
+
+
 @njit(cache=True)
 def put_call_arrays(desc, x, out, ids, tw, mask):
     """Write the per-call array slots (x, out, ids, tw, mask) of ``desc`` (cheaper from here than
     five numpy ``.ctypes`` look-ups)."""
-    desc[A_X * SLOT] = x.ctypes.data
-    desc[A_X * SLOT + 1] = x.shape[0]
-    desc[A_X * SLOT + 2] = x.shape[1]
-    desc[A_OUT * SLOT] = out.ctypes.data
-    desc[A_OUT * SLOT + 1] = out.shape[0]
-    desc[A_OUT * SLOT + 2] = out.shape[1]
-    desc[A_IDS * SLOT] = ids.ctypes.data
-    desc[A_IDS * SLOT + 1] = ids.shape[0]
-    desc[A_IDS * SLOT + 2] = ids.shape[1]
-    desc[A_TW * SLOT] = tw.ctypes.data
-    desc[A_TW * SLOT + 1] = tw.shape[0]
-    desc[A_TW * SLOT + 2] = tw.shape[1]
-    desc[A_MASK * SLOT] = mask.ctypes.data
-    desc[A_MASK * SLOT + 1] = mask.shape[0]
+    _put_slot(desc, A_X, x)
+    _put_slot(desc, A_OUT, out)
+    _put_slot(desc, A_IDS, ids)
+    _put_slot(desc, A_TW, tw)
+    _put_slot(desc, A_MASK, mask)
 
 
 @njit(cache=True)
