@@ -156,18 +156,15 @@ def probe_shape(KA, a, rows, sets, peaks, nthr, rng, n, d, scheme, p):
             xa = np.ascontiguousarray(xq.astype(np.int8))
             xs = np.ascontiguousarray(xs.astype(np.float32).reshape(-1))
             mc = KA.default_mc(d)
-        ks = d // (32 if bf else 64)
         outs = [np.zeros((m, p.n_pad), np.float32) for _ in range(nthr)]
 
-        def kern(kc, l2, pfw=False):
+        def kern(l2, pfw=False):
             if bf:
-                return lambda data, out: KA.gemm_bf16_pipe(xa, data, out, 0, nb, mc, kc, 0, l2,
-                                                           pfw)
+                return lambda data, out: KA.gemm_bf16_pipe(xa, data, out, 0, nb, mc, 0, l2, pfw)
             return lambda data, out: KA.gemm_int8_pipe(xa, xs, data, p.scale, out, 0, nb, mc,
-                                                       kc, 0, l2, pfw)
+                                                       0, l2, pfw)
 
-        variants = {"pipe": kern(ks, True), "pipe_pfw": kern(ks, True, True),
-                    "pipe_kc8": kern(8, True), "pipe_kc16": kern(16, True)}
+        variants = {"pipe": kern(True), "pipe_pfw": kern(True, True)}
         if not bf:
             variants["blocked_kc8"] = lambda data, out: KA.gemm_int8_blocked(
                 xa, xs, data, p.scale, out, 0, nb, mc, 8, 0)

@@ -107,7 +107,7 @@ def _amx_variants(scheme):
         @njit(nogil=True)
         def k8(xq, xs, data, scale, wsum, out, nb0, nb1):
             KA.gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
-                              1 << 30, 0, True, False)
+                              0, True, False)
     elif scheme is QuantScheme.BF16:
         @njit(nogil=True)
         def k(xb, data, out, nb0, nb1):
@@ -115,8 +115,8 @@ def _amx_variants(scheme):
 
         @njit(nogil=True)
         def k8(xb, data, out, nb0, nb1):
-            KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 1 << 30, 0,
-                              True, False)
+            KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 0, True,
+                              False)
     else:
         return {}
     return {"blocked": k, "no_pfw": k8}
@@ -186,12 +186,12 @@ def gemm_alone(rows, rng):
 
         fns = {
             "blocked": lambda: KA.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, mc, 32, 0),
-            "pipe": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 1 << 30, 0, False, True),
-            "pipe_l2": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 1 << 30, 0, True, True),
+            "pipe": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, False, True),
+            "pipe_l2": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, True, True),
             "blocked_cold": lambda: KA.gemm_int8_blocked(xq, xs, nxt(), p.scale, out, 0, nb, mc, 32, 0),
-            "pipe_pf8_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 8, False, True),
-            "pipe_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 0, True, True),
-            "pipe_pf4_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 1 << 30, 4, True, True),
+            "pipe_pf8_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 8, False, True),
+            "pipe_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 0, True, True),
+            "pipe_pf4_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 4, True, True),
         }
         outs = {}
         for k, f in fns.items():

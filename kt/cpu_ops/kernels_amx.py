@@ -15,8 +15,8 @@ Contract and data layout: kt/cpu_ops/README.md and packing.py. Tile registers: C
   right after the last product reading its register, two products before its use), the next
   16-output block pair prefetched into L2 while this one is computed, and the panel's output
   lines prefetched for writing (``pfw``: the MoE layer's outputs were last written by other
-  cores; INT8 T=2048 9 % faster on the device). Optional K slices (``kc``) keep a pair's B slice
-  in L1 but measured slower (their partial sums go through memory). INT4
+  cores; INT8 T=2048 9 % faster on the device). K slices that keep a pair's B slice in L1 were
+  measured slower (their partial sums go through memory) and are not offered. INT4
   (``gemm_int4_blocked``): M chunks (about 512 KiB of A) x pairs of blocks x K slices x panels,
   the next (pair, slice) prefetched into L2. The older ``gemm_*_blocked`` kernels (K slices with
   partial sums through a buffer) stay for comparison.
@@ -228,32 +228,35 @@ def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
 
 
 @njit(nogil=True, cache=True)
-def _pipe_panel(ap, a0, a1, data, o0, o1, k0, k1, sb, bf, pfb, nxt0, nxt1, pl0, per, nlines,
+def _pipe_panel(ap, a0, a1, data, o0, o1, ks, sb, bf, pfb, nxt0, nxt1, pl0, per, nlines,
                 out, wo, wst, wrows, wtwo):
-    """One 32x32 output panel over k-steps [k0, k1), accumulated into tiles C 0-3 (which the
-    caller has zeroed or loaded with the partial sums of the earlier K slices), software-pipelined.
+    """One 32x32 output panel over all ks k-steps into tiles C 0-3, software-pipelined.
 
     A rows of the panel at ap[a0:], ap[a1:] and B blocks at data[o0:], data[o1:] (flat element
-    indices of k-step 0), sb elements per k-step (a 1 KiB tile). Every tile load is issued right
-    after the last product that reads its register's previous contents and two products before its
-    own use, so its latency hides behind the products between (tile registers are not renamed).
+    indices), sb elements per k-step (a 1 KiB tile). Every tile load is issued right after the
+    last product that reads its register's previous contents and two products before its own
+    use, so its latency hides behind the products between (tile registers are not renamed).
     bf: tdpbf16ps instead of tdpbssd. pfb > 0: prefetch B of k-step s + pfb into L1 (cold B).
     per > 0: also prefetch ``per`` lines per k-step of the next block pair (data[nxt0:] then
     data[nxt1:], nlines lines each, continuing at line pl0) into L2; returns the next line.
     wrows > 0: request ownership (prefetchw) of the output lines the epilogue will write, spread
     over the k-steps: out[wo + r * wst] for r < wrows (and the next 16 elements if wtwo), so the
     stores into rows another core wrote last do not wait for their lines.
-    C0 = rows 0-15 x block 0, C1 = x block 1, C2/C3 rows 16-31.
+    Leaves the products in C 0-3 (C0 = rows 0-15 x block 0, C1 = x block 1, C2/C3 rows 16-31).
     """
     lw = 64 // data.itemsize  # elements per line
-    wper = (wrows + k1 - k0 - 1) // (k1 - k0)
-    tileloadd64(4, ap, a0 + k0 * sb, 64)
-    tileloadd64(6, data, o0 + k0 * sb, 64)
-    tileloadd64(5, ap, a1 + k0 * sb, 64)
-    tileloadd64(7, data, o1 + k0 * sb, 64)
+    wper = (wrows + ks - 1) // ks
+    tilezero(0)
+    tilezero(1)
+    tilezero(2)
+    tilezero(3)
+    tileloadd64(4, ap, a0, 64)
+    tileloadd64(6, data, o0, 64)
+    tileloadd64(5, ap, a1, 64)
+    tileloadd64(7, data, o1, 64)
     pl = pl0
-    for s in range(k0, k1):
-        if pfb > 0 and s + pfb < k1:
+    for s in range(ks):
+        if pfb > 0 and s + pfb < ks:
             for ln in range(16):
                 prefetch_l1(data, o0 + (s + pfb) * sb + lw * ln)
                 prefetch_l1(data, o1 + (s + pfb) * sb + lw * ln)
@@ -263,11 +266,11 @@ def _pipe_panel(ap, a0, a1, data, o0, o1, k0, k1, sb, bf, pfb, nxt0, nxt1, pl0, 
             elif pl < 2 * nlines:
                 prefetch_l2(data, nxt1 + lw * (pl - nlines))
             pl += 1
-        for q in range((s - k0) * wper, min((s - k0 + 1) * wper, wrows)):
+        for q in range(s * wper, min((s + 1) * wper, wrows)):
             prefetch_w(out, wo + q * wst)
             if wtwo:
                 prefetch_w(out, wo + q * wst + 16)
-        nxt = s + 1 < k1
+        nxt = s + 1 < ks
         if bf:
             tdpbf16ps(0, 4, 6)
             tdpbf16ps(1, 4, 7)
@@ -306,14 +309,10 @@ def _pipe_pair_prefetch(b, nb1, blk, npan, ks):
 
 
 @njit(nogil=True, cache=True)
-def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, bf, xs, scale):
+def _gemm_pipe(a, data, out, nb0, nb1, mc, pfb, l2, pfw, bf, xs, scale):
     """The pipelined large-M GEMM of ``gemm_int8_pipe`` (bf False: int8 A, int32 products scaled
     by xs[m] * scale[n]) and ``gemm_bf16_pipe`` (bf True: bf16-bits A, fp32 products copied).
-
-    kc: k-steps per K slice. With kc >= K steps every panel runs over the whole K at once; with
-    fewer, the loop is pair -> K slice -> panel, so the pair's B slice (2 kc KiB) stays in L1 while
-    every panel of the M chunk reads it, and the panels' partial sums go through a buffer.
-    pfw: prefetch the output lines for writing during a panel's last K slice (outputs that
+    pfw: prefetch each panel's output lines for writing while it is computed (outputs that
     another core wrote last: the MoE layer's shared gu / y rows)."""
     m_all = a.shape[0]
     kel = 64 // a.itemsize          # A elements per 64-byte k-step row
@@ -321,10 +320,9 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, bf, xs, scale):
     sb = 1024 // data.itemsize      # data elements per k-step tile
     ost = out.strides[0] // 4
     blk = data.shape[1] * (32 if bf else 64)
-    kc = min(max(kc, 1), ks)
     ap = _pack_a(a, ks, kel)
     mpad = ap.shape[0] * 16
-    cp = np.empty((min(mc, mpad), 32), np.int32)
+    cp = np.empty((32, 32), np.int32)
     cpf = cp.view(np.float32)
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
@@ -339,62 +337,46 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, bf, xs, scale):
             if not l2:
                 per = 0
             pl = 0
-            for k0 in range(0, ks, kc):
-                k1 = min(k0 + kc, ks)
-                for mp in range(mc0, mc1, 32):
-                    lr = (mp - mc0) * 32
-                    if k0 == 0:
-                        tilezero(0)
-                        tilezero(1)
-                        tilezero(2)
-                        tilezero(3)
+            for mp in range(mc0, mc1, 32):
+                a0 = (mp // 16) * ks * sb
+                rows = min(32, m_all - mp)
+                pl = _pipe_panel(ap, a0, a0 + ks * sb, data, o0, o1, ks, sb, bf,
+                                 pfb if mp == mc0 else 0, n0, n1, pl, per, nlines,
+                                 out, mp * ost + 16 * b, ost, rows if pfw else 0, b + 1 < nb1)
+                tilestored64(0, cp, 0, 128)
+                tilestored64(1, cp, 16, 128)
+                tilestored64(2, cp, 512, 128)
+                tilestored64(3, cp, 528, 128)
+                n0c = 16 * b
+                for i in range(rows):
+                    oi = (mp + i) * ost + n0c
+                    if bf:
+                        copy64(out, oi, cpf, i * 32)
                     else:
-                        tileloadd64(0, cp, lr, 128)
-                        tileloadd64(1, cp, lr + 16, 128)
-                        tileloadd64(2, cp, lr + 512, 128)
-                        tileloadd64(3, cp, lr + 528, 128)
-                    a0 = (mp // 16) * ks * sb
-                    wrows = min(32, m_all - mp) if pfw and k1 == ks else 0
-                    pl = _pipe_panel(ap, a0, a0 + ks * sb, data, o0, o1, k0, k1, sb, bf,
-                                     pfb if mp == mc0 else 0, n0, n1, pl, per, nlines,
-                                     out, mp * ost + 16 * b, ost, wrows, b + 1 < nb1)
-                    tilestored64(0, cp, lr, 128)
-                    tilestored64(1, cp, lr + 16, 128)
-                    tilestored64(2, cp, lr + 512, 128)
-                    tilestored64(3, cp, lr + 528, 128)
-                    if k1 < ks:
-                        continue
-                    n0c = 16 * b
-                    for i in range(min(32, m_all - mp)):
-                        oi = (mp + i) * ost + n0c
-                        ci = lr + i * 32
+                        row16_scale_store(out, oi, cp, i * 32, scale, n0c, xs[mp + i])
+                    if b + 1 < nb1:
                         if bf:
-                            copy64(out, oi, cpf, ci)
+                            copy64(out, oi + 16, cpf, i * 32 + 16)
                         else:
-                            row16_scale_store(out, oi, cp, ci, scale, n0c, xs[mp + i])
-                        if b + 1 < nb1:
-                            if bf:
-                                copy64(out, oi + 16, cpf, ci + 16)
-                            else:
-                                row16_scale_store(out, oi + 16, cp, ci + 16, scale, n0c + 16,
-                                                  xs[mp + i])
+                            row16_scale_store(out, oi + 16, cp, i * 32 + 16, scale, n0c + 16,
+                                              xs[mp + i])
     tilerelease()
 
 
 @njit(nogil=True, cache=True)
-def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, kc, pfb, l2, pfw):
-    """Large-M INT8, software-pipelined (``_pipe_panel``), mc rows per M chunk, kc k-steps per K
-    slice (>= K steps: whole K per panel); pfb: L1 prefetch distance of cold B (k-steps, 0: none);
-    l2: prefetch the next block pair into L2 while this one is computed; pfw: prefetch the
-    output lines for writing. Same result as ``gemv_int8``."""
-    _gemm_pipe(xq, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, False, xs, scale)
+def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, pfb, l2, pfw):
+    """Large-M INT8, software-pipelined (``_pipe_panel``), whole K per panel, mc rows per M chunk;
+    pfb: L1 prefetch distance of cold B (k-steps, 0: none); l2: prefetch the next block pair
+    into L2 while this one is computed; pfw: prefetch the output lines for writing. Same result
+    as ``gemv_int8``."""
+    _gemm_pipe(xq, data, out, nb0, nb1, mc, pfb, l2, pfw, False, xs, scale)
 
 
 @njit(nogil=True, cache=True)
-def gemm_bf16_pipe(xb, data, out, nb0, nb1, mc, kc, pfb, l2, pfw):
+def gemm_bf16_pipe(xb, data, out, nb0, nb1, mc, pfb, l2, pfw):
     """Large-M BF16 with the pipelined panel of ``gemm_int8_pipe`` (tdpbf16ps, 32 k per step).
-    Same result as ``gemm_bf16`` when K is not sliced (the same per-panel fp32 summation order)."""
-    _gemm_pipe(xb, data, out, nb0, nb1, mc, kc, pfb, l2, pfw, True, _NO_XS, _NO_XS)
+    Same result as ``gemm_bf16`` (the same per-panel fp32 summation order over K)."""
+    _gemm_pipe(xb, data, out, nb0, nb1, mc, pfb, l2, pfw, True, _NO_XS, _NO_XS)
 
 
 @njit(nogil=True, cache=True)
@@ -402,8 +384,7 @@ def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     """Large-M INT8 (same contract as ``gemv_int8``): the pipelined 2x2-tile kernel with the next
     block pair prefetched into L2 (device run 2, 16 threads, qwen3 layer: 16 % faster than the
     blocked kernel at T=512, 8 % at T=2048)."""
-    gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 1 << 30, 0,
-                   True, True)
+    gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 0, True, True)
 
 
 # ----------------------------------------------------------------------------- INT4
@@ -721,8 +702,7 @@ def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
 def gemm_bf16(xb, data, out, nb0, nb1):
     """Large-M BF16 (same contract as ``gemv_bf16``): the pipelined kernel with L2 prefetch
     (device run 2, qwen3 layer, 16 threads: 24 % faster than blocked at T=512, 21 % at 2048)."""
-    gemm_bf16_pipe(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 1 << 30, 0, True,
-                   True)
+    gemm_bf16_pipe(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 0, True, True)
 
 
 # ----------------------------------------------------------------------------- roofline

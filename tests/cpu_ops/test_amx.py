@@ -490,13 +490,12 @@ def _check_blocked(mod, scheme, pf):
         xb = _pad_cols(ref.f32_to_bf16_bits(x), p.d_pad)
         mod.gemm_bf16_blocked(xb, p.data, out, 0, nb, 32, 1, pf)
         # the pipelined variant sums each panel over K in the order gemm_bf16 does: identical
-        # K slices keep each panel's fp32 summation order (partial sums stored exactly)
-        for mc, kc, l2 in ((32, 99, True), (64, 99, False), (32, 1, True), (64, 3, True)):
+        for mc, l2, pfw in ((32, True, True), (64, False, False), (64, True, False)):
             pipe = np.full((m, p.n_pad), np.nan, np.float32)
-            mod.gemm_bf16_pipe(xb, p.data, pipe, 0, nb, mc, kc, pf, l2, l2)
-            assert_exact(whole, pipe, what=f"bf16 pipelined pf={pf} mc={mc} kc={kc} vs gemm")
+            mod.gemm_bf16_pipe(xb, p.data, pipe, 0, nb, mc, pf, l2, pfw)
+            assert_exact(whole, pipe, what=f"bf16 pipelined pf={pf} mc={mc} vs gemm")
         part = np.full((m, p.n_pad), np.nan, np.float32)
-        mod.gemm_bf16_pipe(xb, p.data, part, 1, nb, 64, 2, pf, True, True)
+        mod.gemm_bf16_pipe(xb, p.data, part, 1, nb, 64, pf, True, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="bf16 pipelined block range")
         xr, wr = ref.bf16_round(x), ref.dequantize(ref.quantize(w, "bf16"))
@@ -512,17 +511,17 @@ def _check_blocked(mod, scheme, pf):
         mod.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, 32, 1, pf)
         # the software-pipelined variant (odd block count: the last pair is half), and a block
         # range inside the matrix leaves the other columns untouched
-        for mc, kc, l2 in ((32, 99, True), (64, 99, False), (32, 1, True), (64, 3, True)):
+        for mc, l2, pfw in ((32, True, True), (64, False, False), (64, True, False)):
             pipe = np.full((m, p.n_pad), np.nan, np.float32)
-            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, mc, kc, pf, l2, l2)
-            assert_exact(whole, pipe, what=f"int8 pipelined pf={pf} mc={mc} kc={kc} vs gemm")
+            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, mc, pf, l2, pfw)
+            assert_exact(whole, pipe, what=f"int8 pipelined pf={pf} mc={mc} vs gemm")
         if hasattr(mod, "unit"):  # emulated: pfw requested exactly the lines the epilogue wrote
             mod.unit.prefetched_w.clear()
-            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, 32, 99, pf, True, True)
+            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, 32, pf, True, True)
             assert mod.unit.prefetched_w == {r * p.n_pad + 16 * b for r in range(m)
                                              for b in range(nb)}
         part = np.full((m, p.n_pad), np.nan, np.float32)
-        mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, 2, pf, True, True)
+        mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, pf, True, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="int8 pipelined block range")
         gv = np.full((m, p.n_pad), np.nan, np.float32)
