@@ -2,9 +2,13 @@
 
 For each call the stream copies the inputs into pinned host buffers and then writes a "start" flag
 (``kt.gpu_ops.stream_sync.CpuSignal``); one service thread per process takes the calls in stream
-order, waits for each one's flag, runs the CPU experts through the layer's ``CPUMoE`` (whose pool
-threads do the work), writes the result into a pinned buffer and sets "done". The stream waits for
-"done" before it copies the result back. The host thread that enqueues a forward never blocks.
+order and, for each, publishes the layer's job on the ``CPUMoE``'s pool *before* the flag is set
+(``CPUMoE.submit_gated``): the pool threads wait for the flag inside the job, compute, and the first
+one done clears "start" and sets "done", so no Python runs between the stream reaching the CPU part
+and the stream going on. The stream waits for "done" before it copies the result back. The host
+thread that enqueues a forward never blocks. A call too large for one job (or a stand-in signal
+without flag addresses, in tests) takes the polled path: the service thread waits for the flag,
+then calls the ``CPUMoE`` and sets "done" itself.
 
 CUDA graphs: the GPU side is capturable (only memops / host functions and async copies), but a
 replay runs no Python, so the service thread must be told which calls a replay will make. Calls made
@@ -32,6 +36,15 @@ class _Channel:
     h_w: torch.Tensor | None = None
     h_out: torch.Tensor | None = None
     d_out: torch.Tensor | None = None
+    x_dtype: torch.dtype | None = None
+    np_views: tuple | None = None  # (x, ids, w, out) numpy views of the pinned buffers
+
+
+def _np_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bf16 as uint16 bit patterns)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 @dataclass
@@ -64,29 +77,85 @@ class _Service:
             job = self._q.get()
             if job is None:
                 return
-            ch = job.channel
-            try:
-                ch.signal.wait_start()
-                t = job.t
-                t0 = time.perf_counter()
-                job.bridge.cpu(ch.h_x[:t], ch.h_ids[:t], ch.h_w[:t], gpu_mask=job.gpu_mask,
-                               out=ch.h_out[:t])
-                if job.bridge.on_cpu_time is not None:
-                    job.bridge.on_cpu_time(t, ch.h_ids.shape[1], time.perf_counter() - t0)
-            except BaseException as exc:  # keep the stream from hanging; report at the next call
-                self.errors.append(exc)
-                try:
-                    ch.h_out[: job.t].fill_(float("nan"))
-                except Exception:
-                    pass
-            finally:
-                ch.signal.set_done()
+            if _gated(job):
+                self._run_gated(job)
+            else:
+                self._run_polled(job)
+
+    def _run_polled(self, job):
+        ch = job.channel
+        try:
+            ch.signal.wait_start()
+            t = job.t
+            t0 = time.perf_counter()
+            job.bridge.cpu(ch.h_x[:t], ch.h_ids[:t], ch.h_w[:t], gpu_mask=job.gpu_mask,
+                           out=ch.h_out[:t])
+            if job.bridge.on_cpu_time is not None:
+                job.bridge.on_cpu_time(t, ch.h_ids.shape[1], time.perf_counter() - t0)
+        except BaseException as exc:  # keep the stream from hanging; report at the next call
+            self._poison(job, exc)
+        finally:
+            ch.signal.set_done()
+
+    def _run_gated(self, job):
+        """Publish the job before the stream sets "start"; this thread then joins it (and waits
+        for the flag inside it, as the pool threads do)."""
+        ch, t = job.channel, job.t
+        sig = ch.signal
+        x, ids, w, out = (a[:t] for a in ch.np_views)
+        try:
+            h = job.bridge.cpu.submit_gated(x, ids, w, out, sig.start_address, sig.done_address,
+                                            gpu_mask=job.gpu_mask)
+        except BaseException as exc:  # nothing was published: answer the stream from here
+            self._run_failed(job, exc, opened=False)
+            return
+        res = h.wait()
+        if not res.finished:
+            self._run_failed(job, res.error or RuntimeError("the CPU job was aborted"), res.opened)
+            return
+        if res.bad_ids:
+            E = job.bridge.cpu.num_experts
+            self.errors.append(ValueError(f"topk_ids had {res.bad_ids} values outside [-1, {E}) "
+                                          f"(skipped)"))
+        if job.bridge.on_cpu_time is not None:
+            job.bridge.on_cpu_time(t, ids.shape[1], res.seconds)
+
+    def _run_failed(self, job, exc, opened: bool):
+        """A gated job that did not publish its result: consume its "start" (waiting for it if
+        no participant saw it yet), poison the output and set "done", so the stream goes on."""
+        from .gpu_ops.stream_sync import store_flag
+
+        sig = job.channel.signal
+        if opened:
+            store_flag(sig.start_address, 0)
+        else:
+            sig.wait_start()
+        self._poison(job, exc)
+        sig.set_done()
+
+    def _poison(self, job, exc):
+        self.errors.append(exc)
+        try:
+            job.channel.h_out[: job.t].fill_(float("nan"))
+        except Exception:
+            pass
 
     def raise_pending(self) -> None:
         if self.errors:
             exc = self.errors.pop(0)
             self.errors.clear()
             raise RuntimeError(f"kt: the CPU part of a hybrid MoE layer failed: {exc!r}") from exc
+
+
+GATED = True  # benchmarks set False to time the polled path against the gated one
+
+
+def _gated(job: _Job) -> bool:
+    """Whether ``job`` can run as a stream-gated pool job (see the module docstring)."""
+    ch = job.channel
+    cpu = job.bridge.cpu
+    return (GATED and ch.np_views is not None and getattr(ch.signal, "start_address", None) is not None
+            and hasattr(cpu, "submit_gated") and job.t <= cpu.max_gated_tokens)
 
 
 service = _Service()
@@ -104,23 +173,28 @@ class StreamBridge:
         self.device = torch.device(device)
         self.channels = {name: _Channel(CpuSignal(mode, self.device)) for name in ("now", "deferred")}
 
-    def _buffers(self, ch: _Channel, t: int, k: int, x_dtype, ids_dtype) -> None:
+    def _buffers(self, ch: _Channel, t: int, k: int, x_dtype) -> None:
+        """Pinned host buffers in the driver's own dtypes (x and out bf16 or fp32, ids int64,
+        weights fp32; the copies convert), so the CPU side reads them in place."""
         h = self.cpu.hidden
-        if ch.h_x is None or ch.h_x.shape[0] < t or ch.h_ids.shape[1] != k or ch.h_x.dtype != x_dtype:
+        if ch.h_x is None or ch.h_x.shape[0] < t or ch.h_ids.shape[1] != k or ch.x_dtype != x_dtype:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("HybridMoE: run one eager forward of the same shape before capturing")
             cap = max(t, 16)
-            ch.h_x = torch.empty((cap, h), dtype=x_dtype, pin_memory=True)
-            ch.h_ids = torch.empty((cap, k), dtype=ids_dtype, pin_memory=True)
+            host = x_dtype if x_dtype in (torch.bfloat16, torch.float32) else torch.float32
+            ch.h_x = torch.empty((cap, h), dtype=host, pin_memory=True)
+            ch.h_ids = torch.empty((cap, k), dtype=torch.int64, pin_memory=True)
             ch.h_w = torch.empty((cap, k), dtype=torch.float32, pin_memory=True)
-            ch.h_out = torch.empty((cap, h), dtype=x_dtype, pin_memory=True)
+            ch.h_out = torch.empty((cap, h), dtype=host, pin_memory=True)
             ch.d_out = torch.empty((cap, h), dtype=x_dtype, device=self.device)
+            ch.x_dtype = x_dtype
+            ch.np_views = tuple(_np_view(a) for a in (ch.h_x, ch.h_ids, ch.h_w, ch.h_out))
 
     def start(self, x, topk_ids, topk_weights, gpu_mask, slot: str = "now") -> _Job:
         service.raise_pending()
         ch = self.channels[slot]
         t, k = topk_ids.shape
-        self._buffers(ch, t, k, x.dtype, topk_ids.dtype)
+        self._buffers(ch, t, k, x.dtype)
         stream = torch.cuda.current_stream(self.device)
         ch.h_x[:t].copy_(x, non_blocking=True)
         ch.h_ids[:t].copy_(topk_ids, non_blocking=True)

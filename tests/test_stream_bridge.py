@@ -1,10 +1,12 @@
 """The stream service of HybridMoE's CPU part, on the CPU with stand-in flags.
 
 On a GPU the "start" flag is written by the CUDA stream and "done" is waited for by it; here a
-threading.Event stands in for each, so the service thread's ordering, its result buffers and its
-error handling are tested without CUDA (the CUDA side ran on the H200: benchmarks/bench_hybrid.py).
+threading.Event stands in for each (the polled path), or plain int32 words written and polled by the
+test (the gated path), so the service thread's ordering, its result buffers and its error handling
+are tested without CUDA (the CUDA side ran on the H200: benchmarks/bench_hybrid.py).
 """
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch
 from kt import reference as ref
 from kt._stream_bridge import _Channel, _Job, _Service
 from kt.cpu_ops.moe import CPUMoE
+from kt.gpu_ops import stream_sync as ss
 from kt.testing import random_expert_weights
 
 E, K, H, I = 8, 2, 64, 32
@@ -112,3 +115,139 @@ def test_a_failing_job_releases_the_stream_and_reports_at_the_next_call(cpu):
     ch2.signal.start()
     assert ch2.signal.done.wait(10)
     assert ref.relative_error(ch2.h_out, cpu(x2, ids2, w2)) == 0.0
+
+
+# ----------------------------------------------------------------------------- the gated path
+# With a signal that has flag addresses (as CpuSignal), the service publishes each job on the pool
+# before the stream sets "start"; the pool threads wait for the flag inside the job and the first
+# one done clears "start" and sets "done". Here plain int32 words play the pinned flags and the
+# test plays the stream's memory operations.
+
+class FlagSignal:
+    def __init__(self):
+        self.flags = np.zeros(32, np.int32)
+        self.start_address = self.flags.ctypes.data
+        self.done_address = self.start_address + 64
+
+    def wait_start(self):
+        ss.spin_wait_clear(self.start_address)
+
+    def set_done(self):
+        ss.store_flag(self.done_address, 1)
+
+    # the stream's side
+    def start(self):
+        ss.store_flag(self.start_address, 1)
+
+    def wait_done(self, timeout=10.0):
+        t0 = time.monotonic()
+        while ss.load_flag(self.done_address) != 1:
+            if time.monotonic() - t0 > timeout:
+                return False
+            time.sleep(1e-4)
+        ss.store_flag(self.done_address, 0)
+        return True
+
+
+def _gated_channel(x, ids, w, dtype=torch.float32):
+    from kt._stream_bridge import _np_view
+
+    t = x.shape[0]
+    ch = _Channel(FlagSignal())
+    ch.h_x = x.to(dtype).contiguous()
+    ch.h_ids = ids.to(torch.int64).contiguous()
+    ch.h_w = w.to(torch.float32).contiguous()
+    ch.h_out = torch.full((t, H), float("nan"), dtype=dtype)
+    ch.np_views = tuple(_np_view(a) for a in (ch.h_x, ch.h_ids, ch.h_w, ch.h_out))
+    return ch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_jobs_wait_for_their_flag_and_publish_done(cpu, dtype):
+    from kt._stream_bridge import _gated
+
+    service, bridge = _Service(), Bridge(cpu)
+    chans, jobs = [], []
+    for i, t in enumerate((1, 6)):
+        x, ids, w = _inputs(t, 20 + i)
+        ch = _gated_channel(x, ids, w, dtype)
+        mask = np.zeros(E, bool)
+        mask[1] = True  # expert 1 is "on the GPU"
+        chans.append((ch, x, ids, w, mask))
+        jobs.append(_Job(bridge, ch, t, mask))
+        assert _gated(jobs[-1])
+    service.submit(jobs)
+    sig0, sig1 = chans[0][0].signal, chans[1][0].signal
+    try:
+        assert not sig0.wait_done(0.3)  # armed, but the "stream" has not reached its start
+        assert torch.isnan(chans[0][0].h_out.float()).all()
+        sig0.start()
+        assert sig0.wait_done()
+        assert sig0.flags[0] == 0  # "start" consumed by the job itself
+        sig1.start()
+        assert sig1.wait_done()
+    finally:  # never leave the shared pool waiting for a flag
+        sig0.start()
+        sig1.start()
+    for ch, x, ids, w, mask in chans:
+        exp = cpu(ch.h_x, ids, w, gpu_mask=mask)  # the same inputs through the plain call
+        assert torch.equal(ch.h_out.view(torch.int16) if dtype == torch.bfloat16 else ch.h_out,
+                           exp.view(torch.int16) if dtype == torch.bfloat16 else exp)
+    assert [(t, k) for t, k, _ in bridge.times] == [(1, K), (6, K)]
+    assert all(s > 0 for _, _, s in bridge.times)
+    service.raise_pending()  # no error
+
+
+def test_gated_job_skips_and_reports_out_of_range_ids(cpu):
+    service = _Service()
+    x, ids, w = _inputs(3, 30)
+    bad = ids.clone()
+    bad[1, 0] = E + 5
+    bad[2, 1] = -7
+    ch = _gated_channel(x, bad, w)
+    service.submit([_Job(Bridge(cpu), ch, 3, None)])
+    ch.signal.start()
+    assert ch.signal.wait_done()
+    skip = bad.clone()
+    skip[1, 0] = -1
+    skip[2, 1] = -1
+    assert torch.equal(ch.h_out, cpu(x, skip, w))  # the bad slots skipped, nothing else touched
+    with pytest.raises(RuntimeError, match=r"2 values outside \[-1, 8\)"):
+        service.raise_pending()
+
+
+def test_gated_job_that_cannot_be_published_still_answers_the_stream(cpu):
+    service = _Service()
+    x, ids, w = _inputs(2, 31)
+    ch = _gated_channel(x, ids, w)
+    job = _Job(Bridge(cpu), ch, 2, np.zeros(E + 1, bool))  # a wrong mask: submit_gated raises
+    service.submit([job])
+    ch.signal.start()
+    assert ch.signal.wait_done()
+    assert torch.isnan(ch.h_out).all()
+    with pytest.raises(RuntimeError, match="gpu_mask must be"):
+        service.raise_pending()
+
+
+def test_submit_gated_abort_and_checks(cpu):
+    sig = FlagSignal()
+    x, ids, w = _inputs(2, 32)
+    xn, idn, wn = x.numpy(), ids.to(torch.int64).numpy(), w.numpy()
+    out = np.zeros((2, H), np.float32)
+    h = cpu.submit_gated(xn, idn, wn, out, sig.start_address, sig.done_address)
+    h.abort()  # the flag never comes: the pool threads leave the job
+    res = h.wait()
+    assert not res.opened and not res.finished and res.error is None
+    assert not out.any() and sig.flags[16] == 0
+    assert torch.equal(cpu(x, ids, w), cpu(x, ids, w))  # the pool is usable again
+    with pytest.raises(TypeError, match="topk_ids must be one of"):
+        cpu.submit_gated(xn, ids.to(torch.int32).numpy(), wn, out, sig.start_address, sig.done_address)
+    with pytest.raises(ValueError, match="must be \\[T, H"):
+        cpu.submit_gated(xn, idn, wn, out[:1], sig.start_address, sig.done_address)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        cpu.submit_gated(xn, idn, wn, out, sig.start_address + 1, sig.done_address)
+    big = cpu.max_gated_tokens + 1
+    with pytest.raises(ValueError, match="must be in"):
+        cpu.submit_gated(np.zeros((big, H), np.float32), np.zeros((big, K), np.int64),
+                         np.zeros((big, K), np.float32), np.zeros((big, H), np.float32),
+                         sig.start_address, sig.done_address)

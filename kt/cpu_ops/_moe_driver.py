@@ -13,6 +13,10 @@ them, so threads may join late):
     3 act       (row blocks)   h = silu(gate) * up, requantised per row (or bf16-rounded)
     4 down      (dynamic)      y[rows of e] = hq[rows of e] @ w2[e]^T     [T_e, H] fp32
     5 combine   (token blocks) out[t] = (out[t] if incremental) + sum_k w[t,k] * y[row(t,k)]
+A stream-gated job (desc[S_GATE] != 0: the decode path of a hybrid layer) is published before its
+inputs exist: its participants spin at entry until a CUDA stream sets the int32 "start" flag (after
+copying the inputs into pinned memory), and the first participant to finish clears "start" and sets
+"done", so no Python runs between the stream reaching the CPU part and the stream going on.
 Tasks of phases 2 and 4 are (expert, row-block range) pairs, biggest experts first; their size is
 a pure function of the work and the thread count (``_blocks_per_task``): in decode each expert's
 rows are split over the threads, in prefill whole experts are handed out dynamically. When every
@@ -35,7 +39,8 @@ from numba.extending import intrinsic, overload
 from . import cache as _cache
 from .actquant import _u32_as_f32, bf16_bits_to_f32, bf16_row, f32_to_bf16_bits, quant_row_i8
 from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, _sched_yield,
-                   atomic_add, atomic_load, atomic_store, cpu_pause, icall_codegen, native_address)
+                   atomic_add, atomic_load, atomic_store, cpu_pause, flag_load, flag_store,
+                   icall_codegen, native_address)
 
 _cache.install()
 
@@ -55,6 +60,7 @@ D_KV13, D_KM13, D_KV2, D_KM2 = 214, 215, 216, 217  # kernel entry points (kernel
 S_SCHEME, S_XBF16, S_OBF16 = 218, 219, 220
 S_PROF = 221  # address of an int64 [nth, PHASES, 2] profile (busy, waiting cycles), 0 = off
 S_LEVELS = 222  # activation rows per (token, slot): 1, or 2 for two-level int8 ("int8x2")
+S_GATE, S_DONE = 223, 224  # stream-gated job: int32 "start" / "done" flag addresses (0 = none)
 
 PHASES = 6
 PHASE_WORDS = 3 * CTRL_STRIDE  # claim, done, ntasks: one line each
@@ -63,8 +69,20 @@ ROW_BLOCK = 8     # gathered rows per activation task
 TASKS_PER_THREAD = 4
 
 
+# words after the phases of the last chunk (a gated job's): gate open, finishers, ids outside
+# [-1, E) skipped, then the time-stamp counter at gate open and at the end (one line)
+G_OPEN, G_FIN, G_BAD, G_CYCLES = 0, CTRL_STRIDE, 2 * CTRL_STRIDE, 3 * CTRL_STRIDE
+GATE_WORDS = 4 * CTRL_STRIDE
+
+
 def jctrl_words(nchunks: int) -> int:
     """Control words a job over ``nchunks`` chunks needs."""
+    return JOB_FREE + nchunks * PHASES * PHASE_WORDS + GATE_WORDS
+
+
+@njit(nogil=True, cache=True)
+def gate_base(nchunks):
+    """Index in jctrl of a gated job's own words (G_OPEN ...)."""
     return JOB_FREE + nchunks * PHASES * PHASE_WORDS
 
 
@@ -290,7 +308,8 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
     activations and down GEMM: phases 3 and 4 have no tasks).
 
     pos[t - t0, k]: first of the R gathered rows of slot (t, k), or -1; offs[e]..offs[e+1]: rows
-    of expert e (R per slot: the levels of two-level activations are consecutive rows).
+    of expert e (R per slot: the levels of two-level activations are consecutive rows). Ids
+    outside [0, E) are skipped like -1 (a stream-gated job's ids were never checked in Python).
     """
     E = offs.shape[0] - 1
     K = ids.shape[1]
@@ -299,7 +318,7 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
     for t in range(t0, t1):
         for k in range(K):
             e = ids[t, k]
-            if e >= 0 and mask[e] != 0:
+            if e >= 0 and e < E and mask[e] != 0:
                 offs[e + 1] += R
     n_act = 0
     for e in range(E):
@@ -320,7 +339,7 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
     for t in range(t0, t1):
         for k in range(K):
             e = ids[t, k]
-            if e >= 0 and mask[e] != 0:
+            if e >= 0 and e < E and mask[e] != 0:
                 pos[t - t0, k] = offs[e]
                 offs[e] += R
             else:
@@ -362,6 +381,39 @@ def _wait_phase(jctrl, base, n):
         if (i & 1023) == 1023:
             _sched_yield()
     return atomic_load(jctrl, JOB_ABORT) == 0
+
+
+# ----------------------------------------------------------------------------- stream gate
+
+@njit(nogil=True, cache=True)
+def _open_gate(jctrl, gate, gb):
+    """Wait until the int32 flag at address ``gate`` is set (a CUDA stream reached the job's
+    start point) or another participant saw it; False if the job was aborted meanwhile."""
+    i = 0
+    while atomic_load(jctrl, gb + G_OPEN) == 0:
+        if flag_load(gate) != 0:
+            if atomic_add(jctrl, gb + G_OPEN, 1) == 0:
+                jctrl[gb + G_CYCLES] = cycles()
+            break
+        if atomic_load(jctrl, JOB_ABORT) != 0:
+            return False
+        cpu_pause()
+        i += 1
+        if (i & 1023) == 1023:
+            _sched_yield()
+    return True
+
+
+@njit(nogil=True, cache=True)
+def _count_bad_ids(ids, t0, t1, E):
+    """Ids of tokens [t0, t1) outside [-1, E) (skipped by the plan; reported by Python)."""
+    n = 0
+    for t in range(t0, t1):
+        for k in range(ids.shape[1]):
+            v = ids[t, k]
+            if v < -1 or v >= E:
+                n += 1
+    return n
 
 
 # ----------------------------------------------------------------------------- the job
@@ -517,6 +569,10 @@ def moe_job(nth, jctrl, desc):
     me = atomic_add(jctrl, JOB_JOIN, 1)
     if me >= nth:
         return
+    gate = desc[S_GATE]
+    gb = gate_base(desc[S_NCHUNK])
+    if gate != 0 and not _open_gate(jctrl, gate, gb):
+        return
     scheme = desc[S_SCHEME]
     bf16 = scheme == SCHEME_BF16
     x_bf16 = desc[S_XBF16] != 0
@@ -572,6 +628,8 @@ def moe_job(nth, jctrl, desc):
                     rows, n13, n2, fused = _plan(t0, t1, ids, mask, pos, offs, order, tasks13,
                                                  tasks2, nb13, nb2, nth, desc[S_BPT13],
                                                  desc[S_BPT2], R)
+                    if gate != 0:
+                        jctrl[gb + G_BAD] += _count_bad_ids(ids, t0, t1, desc[S_E])
                     nt = t1 - t0
                     # the plan phase's own ntasks word carries the chunk's row count
                     jctrl[base + 2 * CTRL_STRIDE] = rows
@@ -647,4 +705,10 @@ def moe_job(nth, jctrl, desc):
                 prof[ph, 1] += cycles() - tw0
             if not ok:
                 return
+    if gate != 0 and atomic_add(jctrl, gb + G_FIN, 1) == 0:
+        # the first participant out publishes the result to the stream: "start" is consumed
+        # (the stream writes it again only after it saw "done"), then "done"
+        jctrl[gb + G_CYCLES + 1] = cycles()
+        flag_store(gate, 0)
+        flag_store(desc[S_DONE], 1)
     atomic_store(jctrl, JOB_COMPLETE, 1)

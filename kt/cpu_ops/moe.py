@@ -12,14 +12,16 @@ unless one is given). Scratch buffers belong to the pool and are shared by every
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..config import QuantScheme, check_activations
 from . import _moe_driver as drv
 from .packing import BLOCK_N, PackedWeight, pack
-from .pool import CpuPool, default_pool
+from .pool import JOB_ABORT, CpuPool, default_pool
 
-__all__ = ["CPUMoE", "MoEHandle", "gemv_max_rows"]
+__all__ = ["CPUMoE", "MoEHandle", "GatedHandle", "GateResult", "gemv_max_rows"]
 
 _SCHEME_CODE = {QuantScheme.INT8: drv.SCHEME_INT8, QuantScheme.INT4: drv.SCHEME_INT4,
                 QuantScheme.BF16: drv.SCHEME_BF16}
@@ -186,6 +188,51 @@ class MoEHandle:
                 self._done = True
                 self._rest = ()
             self._result = self._finish()
+        return self._result
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """How a stream-gated job ended (``GatedHandle.wait``).
+
+    opened: its start flag was seen; finished: it published its result ("start" cleared, "done"
+    set); bad_ids: routing ids outside [-1, E) that it skipped; seconds: from the start flag to
+    the result (time-stamp counter); error: a participant's exception (then not finished)."""
+    opened: bool
+    finished: bool
+    bad_ids: int
+    seconds: float
+    error: BaseException | None = None
+
+
+class GatedHandle:
+    """A job published by ``CPUMoE.submit_gated``: ``wait()`` joins it (the caller takes part
+    from the start flag on) and returns a ``GateResult``; ``abort()`` releases the participants
+    of a job whose start flag will never come."""
+
+    def __init__(self, pool: CpuPool, handle, gbase: int):
+        self._pool = pool
+        self._handle = handle
+        self._gb = gbase
+        self._result: GateResult | None = None
+
+    def abort(self) -> None:
+        self._pool.abort(self._handle)
+
+    def wait(self) -> GateResult:
+        if self._result is None:
+            err = None
+            try:
+                self._handle.wait()
+            except RuntimeError as exc:  # a participant raised: re-raised by PoolHandle.wait
+                err = exc.__cause__ or exc
+            j = self._pool.job_words()
+            gb = self._gb
+            opened = bool(j[gb + drv.G_OPEN])
+            finished = bool(j[gb + drv.G_FIN]) and err is None and not j[JOB_ABORT]
+            cyc = int(j[gb + drv.G_CYCLES + 1] - j[gb + drv.G_CYCLES]) if finished else 0
+            self._result = GateResult(opened, finished, int(j[gb + drv.G_BAD]),
+                                      max(cyc, 0) / tsc_hz(), err)
         return self._result
 
 
@@ -416,15 +463,7 @@ class CPUMoE:
             raise ValueError(f"x has T={T} tokens, more than max_tokens={self.max_tokens}")
         ids, tw = _routing("topk_ids", topk_ids, "topk_weights", topk_weights, T, E)
         K = ids.shape[1]
-        if gpu_mask is None:
-            mask = self._all_cpu
-        else:
-            gm = gpu_mask.detach().cpu().numpy() if _is_torch(gpu_mask) else np.asarray(gpu_mask)
-            if gm.shape != (E,):
-                raise ValueError(f"gpu_mask must be [E={E}] bool, got shape {gm.shape}")
-            if gm.dtype != np.bool_:
-                raise TypeError(f"gpu_mask must be bool, got {gm.dtype}")
-            mask = np.ascontiguousarray(~gm, dtype=np.uint8)
+        mask = self._mask_arg(gpu_mask)
         if not isinstance(incremental, (bool, np.bool_)):
             raise TypeError(f"incremental must be a bool, got {type(incremental).__name__}")
         if incremental and out is None:
@@ -457,6 +496,65 @@ class CPUMoE:
                                            xkind, okind))
         first = launches[0]()
         return MoEHandle(first, launches[1:], finish)
+
+    def submit_gated(self, x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
+                     out: np.ndarray, start_flag: int, done_flag: int,
+                     gpu_mask=None) -> GatedHandle:
+        """Publish the layer on the pool now, to run once the int32 flag at host address
+        ``start_flag`` is non-zero; the first thread to finish clears that flag and stores 1 at
+        ``done_flag``. This is the decode path of a hybrid layer: a CUDA stream copies the inputs
+        into these (pinned) arrays, sets the start flag and waits for "done" with stream memory
+        operations, and no Python runs in between (``kt._stream_bridge``).
+
+        x [T, H] float32 or uint16 (bf16 bits), topk_ids [T, K] int64, topk_weights [T, K]
+        float32, out [T, H] of x's kind: C-contiguous numpy arrays that stay valid until
+        ``wait()`` returns; only their shapes are checked here, their contents are read after the
+        flag is set (ids outside [-1, E) are then skipped, and counted in the ``GateResult``).
+        gpu_mask as in ``submit``. T must fit one job (``max_gated_tokens``).
+        """
+        H = self.hidden
+        for name, a, dts in (("x", x, (np.float32, np.uint16)), ("topk_ids", topk_ids, (np.int64,)),
+                             ("topk_weights", topk_weights, (np.float32,)),
+                             ("out", out, (x.dtype,) if isinstance(x, np.ndarray) else ())):
+            if not isinstance(a, np.ndarray) or a.ndim != 2 or not a.flags.c_contiguous:
+                raise TypeError(f"submit_gated: {name} must be a C-contiguous 2-D numpy array")
+            if a.dtype not in dts:
+                raise TypeError(f"submit_gated: {name} must be one of {[np.dtype(d).name for d in dts]}, "
+                                f"got {a.dtype}")
+        T, K = topk_ids.shape
+        if x.shape != (T, H) or out.shape != (T, H) or topk_weights.shape != (T, K):
+            raise ValueError(f"submit_gated: x and out must be [T, H={H}] and topk_weights [T, K] "
+                             f"for topk_ids [T={T}, K={K}]; got x {x.shape}, out {out.shape}, "
+                             f"topk_weights {topk_weights.shape}")
+        if not 0 < T <= self.max_gated_tokens:
+            raise ValueError(f"submit_gated: T={T} must be in [1, {self.max_gated_tokens}]")
+        if not (isinstance(start_flag, int) and isinstance(done_flag, int) and start_flag > 0
+                and done_flag > 0 and start_flag % 4 == 0 and done_flag % 4 == 0):
+            raise ValueError("submit_gated: start_flag and done_flag must be 4-byte aligned host "
+                             "addresses")
+        mask = self._mask_arg(gpu_mask)
+        kind = "bf16" if x.dtype == np.uint16 else "f32"
+        pool = self.pool
+        h = self._launcher(pool, x, out, topk_ids, topk_weights, mask, 0, T, K, False, kind, kind,
+                           gate=(start_flag, done_flag))()
+        return GatedHandle(pool, h, drv.gate_base(-(-T // min(self.chunk_tokens, T))))
+
+    @property
+    def max_gated_tokens(self) -> int:
+        """The largest T one ``submit_gated`` job takes."""
+        return self.chunk_tokens * MAX_CHUNKS_PER_JOB
+
+    def _mask_arg(self, gpu_mask) -> np.ndarray:
+        """gpu_mask ([E] bool, True = skip here, or None) -> the driver's uint8 "on the CPU" row."""
+        E = self.num_experts
+        if gpu_mask is None:
+            return self._all_cpu
+        gm = gpu_mask.detach().cpu().numpy() if _is_torch(gpu_mask) else np.asarray(gpu_mask)
+        if gm.shape != (E,):
+            raise ValueError(f"gpu_mask must be [E={E}] bool, got shape {gm.shape}")
+        if gm.dtype != np.bool_:
+            raise TypeError(f"gpu_mask must be bool, got {gm.dtype}")
+        return np.ascontiguousarray(~gm, dtype=np.uint8)
 
     def profile(self, x, topk_ids, topk_weights, gpu_mask=None, repeats: int = 1) -> dict:
         """Run the layer ``repeats`` times and report where the time went, per phase.
@@ -491,7 +589,8 @@ class CPUMoE:
                   for i, name in enumerate(PHASE_NAMES)}
         return {"wall_ms": wall * 1e3, "threads": pool.num_threads, "phases": phases}
 
-    def _launcher(self, pool, xa, ob, ids, tw, mask, j0, j1, K, incremental, xkind, okind):
+    def _launcher(self, pool, xa, ob, ids, tw, mask, j0, j1, K, incremental, xkind, okind,
+                  gate=(0, 0)):
         def launch():
             T = j1 - j0
             C = min(self.chunk_tokens, T)
@@ -527,6 +626,7 @@ class CPUMoE:
             if prof is not None and prof.shape[0] < pool.num_threads:
                 raise ValueError("CPUMoE.profile: the pool has more threads than the profile")
             desc[drv.S_PROF] = 0 if prof is None else prof.ctypes.data
+            desc[drv.S_GATE], desc[drv.S_DONE] = gate
             return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self))
 
         return launch

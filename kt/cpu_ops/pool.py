@@ -46,7 +46,8 @@ from . import cache as _cache
 _cache.install()
 
 __all__ = ["CpuPool", "PoolHandle", "default_pool", "numa_nodes", "atomic_load", "atomic_store",
-           "atomic_add", "cpu_pause", "CTRL_STRIDE", "JOB_ABORT", "JOB_COMPLETE", "JOB_FREE"]
+           "atomic_add", "cpu_pause", "flag_load", "flag_store", "CTRL_STRIDE", "JOB_ABORT",
+           "JOB_COMPLETE", "JOB_FREE"]
 
 # One control word per 128 bytes so that counters written by different threads never share a line.
 CTRL_STRIDE = 16
@@ -100,6 +101,36 @@ def atomic_add(typingctx, arr, idx, val):
         return builder.atomic_rmw("add", ptr, v, "seq_cst")
 
     return types.int64(arr, idx, val), codegen
+
+
+@intrinsic
+def flag_load(typingctx, addr):
+    """The int32 at host address ``addr`` (an int), acquire load, as int64: a flag that another
+    agent (a CUDA stream's memory operation, another thread) writes."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        return builder.sext(builder.load_atomic(ptr, "acquire", 4), ir.IntType(64))
+
+    return types.int64(addr), codegen
+
+
+@intrinsic
+def flag_store(typingctx, addr, val):
+    """Release store of the int32 ``val`` at host address ``addr``: earlier writes of this thread
+    are visible to whoever sees the new flag value."""
+    if not isinstance(addr, types.Integer) or not isinstance(val, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        v = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), ir.IntType(32))
+        builder.store_atomic(v, ptr, "release", 4)
+        return context.get_dummy_value()
+
+    return types.void(addr, val), codegen
 
 
 @intrinsic
@@ -631,6 +662,19 @@ class CpuPool:
     def run(self, fn, finish=None):
         """Synchronous ``submit(fn, finish).wait()``."""
         return self.submit(fn, finish).wait()
+
+    def abort(self, handle: PoolHandle) -> None:
+        """Ask the participants of ``handle``'s job to leave it (sets its abort word; a native
+        job checks it between tasks and while it waits). ``wait()`` then returns without the
+        job's result. No effect on a job that is already complete or no longer current."""
+        st = self._state
+        if st.job is handle._job and not handle._job.complete:
+            _store_gil(st.jctrl, JOB_ABORT, 1)
+
+    def job_words(self) -> np.ndarray:
+        """The control words of the current (or last) job: read a finished job's own words here
+        before the next ``begin()`` zeroes them."""
+        return self._state.jctrl
 
     def _wait_job(self, job: _Job) -> None:
         if job.complete:
