@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,10 @@ __all__ = ["HybridMoE", "DeferredChain", "DynamicReplacement", "split_deferred",
 
 
 # ----------------------------------------------------------------------------- routing helpers
+
+def _ignore(*args) -> None:
+    return None
+
 
 def split_deferred(topk_ids: torch.Tensor, topk_weights: torch.Tensor, cpu_expert: torch.Tensor,
                    d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -439,7 +444,10 @@ class HybridMoE:
             from ._stream_bridge import StreamBridge
 
             self._bridge = StreamBridge(self.cpu, self.device)
-            self._bridge.on_cpu_time = self._observe_cpu_job
+            # a weak reference: the bridge must not keep the layer (and its pinned buffers) in a
+            # reference cycle that only the garbage collector frees, at an unpredictable moment
+            ref = weakref.WeakMethod(self._observe_cpu_job)
+            self._bridge.on_cpu_time = lambda t, k, s: (ref() or _ignore)(t, k, s)
         return self._bridge
 
     def _observe_cpu_job(self, t: int, k: int, seconds: float) -> None:
