@@ -6,7 +6,9 @@ picklable arguments and raise AssertionError on failure.
 Tolerances (norm-wise relative error ||out - ref|| / ||ref||, plus an elementwise bound at 4x that
 relative to max|ref|):
 - fp32 x and weights: 1e-5 (fp32 accumulation in another order; the interpreter's fp32 dot is full
-  fp32). On a GPU the fp32 dot is tf32: 2e-3.
+  fp32). On a GPU the fp32 dot is tf32 (operands keep 10 mantissa bits, truncated on Hopper: up to
+  2^-10 relative each), through two chained GEMMs and SiLU*up: measured 2.3-2.5e-3 on the H200
+  (session 4), bound 4e-3 (GPU_F32_TOL).
 - bf16 x and weights: the reference gets the same bf16 values in fp32; the kernel rounds the SiLU*up
   intermediate and the output to bf16 (2^-9 relative each with round-to-nearest, up to 2^-8 with the
   interpreter's truncation), so the norm-wise error is ~5e-3: bound 1.2e-2.
@@ -18,6 +20,8 @@ import torch
 
 from kt import reference as R
 from kt.testing import assert_close, random_expert_weights
+
+GPU_F32_TOL = 4e-3  # fp32 inputs on a GPU: tf32 dots (see the module docstring)
 
 
 def routing(gen, t, e, k, skip_frac=0.0):
@@ -88,7 +92,7 @@ def _fused_check(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac, config
         tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         xd, w13d, w2d = x.to(tdt), w13.to(tdt), w2.to(tdt)
         ref_w13, ref_w2 = R.to_numpy_f32(w13d), R.to_numpy_f32(w2d)
-        tol = 1.2e-2 if dtype == "bf16" else (1e-5 if device == "cpu" else 2e-3)
+        tol = 1.2e-2 if dtype == "bf16" else (1e-5 if device == "cpu" else GPU_F32_TOL)
     if config is not None:
         kw["config"] = MoEConfig(**config)
     full13, full2, skip = full_weights(e2s, ref_w13, ref_w2)
@@ -121,7 +125,7 @@ def routed_case(device, ids_list, e2s_list, h, i, seed):
     full13, full2, skip = full_weights(e2s, w13.numpy(), w2.numpy())
     ref = R.moe_forward(x, ids, w, full13, full2, skip_mask=skip)
     out = fused_moe(x.to(device), ids.to(device), w.to(device), e2s.to(device), w13.to(device), w2.to(device))
-    tol = 1e-5 if device == "cpu" else 2e-3
+    tol = 1e-5 if device == "cpu" else GPU_F32_TOL
     assert_close(ref, out, rtol=tol, atol=tol * (float(np.abs(ref).max()) or 1.0), what="routed case")
     return out.cpu()
 
