@@ -95,6 +95,10 @@ def checks(data: dict) -> dict:
         c = e["correctness"]
         out["correctness_gpu25_int8_skewed_d0"] = {k: c[k] for k in ("kl_mean", "kl_max", "rel_err_mean",
                                                                      "rel_err_max", "top1_agree")}
+        c2 = e.get("correctness_int8x2")
+        if isinstance(c2, dict):
+            out["correctness_gpu25_int8_skewed_d0_int8x2"] = {
+                k: c2[k] for k in ("kl_mean", "kl_max", "rel_err_mean", "rel_err_max", "top1_agree")}
     return out
 
 
@@ -125,6 +129,9 @@ def markdown(data: dict) -> str:
         floor = f"{fl['ratio_to_floor_membw']:.2f} / {fl['ratio_to_floor_cpu_moe']:.2f}" if fl else "-"
         corr = e.get("correctness")
         corr_s = (f"{corr['kl_mean']:.2e} / {corr['rel_err_mean']:.2e}" if isinstance(corr, dict) else "-")
+        c2 = e.get("correctness_int8x2")
+        if isinstance(c2, dict):
+            corr_s += f" (int8x2: {c2['kl_mean']:.2e} / {c2['rel_err_mean']:.2e})"
         share = e.get("gpu_expert_share")
         row = ([e["name"], e.get("routing", ""), fmt(None if share is None else 100 * share, ".0f") + " %"
                 if share is not None else "-", str(e.get("deferred", ""))]
