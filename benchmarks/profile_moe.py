@@ -248,8 +248,21 @@ def main(argv=None):
         t0 = time.time()
         layers = _layers(scheme, a.shape, pool_bytes, pool)
         print(f"{sname}: {len(layers)} copies built in {time.time() - t0:.0f} s", flush=True)
+        if 1 in Ts:
+            # the fixed cost of a decode call: T=1 with every expert masked (plan, barriers,
+            # combine, the Python call path), to read the T=1 figures against
+            E, K, H, I = SHAPES[a.shape]
+            x1 = rng.standard_normal((1, H), dtype=np.float32)
+            ids1, w1 = routing(rng, 1, E, K)
+            allm = np.ones(E, bool)
+            ts = [_timed(lambda: layers[0](x1, ids1, w1, gpu_mask=allm)) for _ in range(300)]
+            ts.sort()
+            rows.append({"part": "empty_call", "scheme": sname, "min_us": round(ts[0] * 1e6, 1),
+                         "median_us": round(ts[150] * 1e6, 1), "p90_us": round(ts[270] * 1e6, 1)})
+            print(f"  T=1, every expert masked: min {ts[0] * 1e6:.1f} us, median {ts[150] * 1e6:.1f} us",
+                  flush=True)
         for T in Ts:
-            r = profile(layers, T, 6 if T >= 512 else 20, rng, a.shape)
+            r = profile(layers, T, 6 if T >= 512 else (100 if T <= 8 else 20), rng, a.shape)
             E, K, H, I = SHAPES[a.shape]
             hit = E * (1 - (1 - K / E) ** T)  # expected distinct experts under uniform routing
             floor_ms = hit * layers[0].nbytes / E / bw * 1e3
@@ -294,7 +307,7 @@ def main(argv=None):
             for T in a.variant_T:
                 # the fixed fine decode tasks only mean something at decode-sized T
                 vt = {n: v for n, v in vars_.items() if T <= 64 or not n.startswith("bpt")}
-                res = interleaved(vt, T, 6 if T >= 512 else 20, rng, a.shape)
+                res = interleaved(vt, T, 6 if T >= 512 else (100 if T <= 8 else 20), rng, a.shape)
                 for n, v in res.items():
                     rows.append({"part": "variants", "scheme": sname, "T": T, "variant": n, **v})
                 print(f"  variants T={T}: " + "  ".join(
