@@ -7,6 +7,8 @@ as they are), so a swap moves only quantised bytes through PCIe.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -110,18 +112,35 @@ def pin_host_array(a: np.ndarray) -> bool:
     return False
 
 
-class LayerStaging:
-    """GPU buffers that hold one layer's packed experts during layer-wise prefill.
+_TORCH_DT = {np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8,
+             np.dtype(np.uint16): torch.int16, np.dtype(np.float32): torch.float32,
+             np.dtype(np.int32): torch.int32}
 
-    Shared by every layer on a device: layers run one after another on the stream, so one set of
-    buffers (grown to the largest layer) serves them all instead of one copy per layer.
+
+class LayerStaging:
+    """GPU buffers that hold one layer's packed experts during layer-wise prefill, double-buffered.
+
+    Shared by every layer on a device (layers run one after another, so two sets of buffers,
+    grown to the largest layer, serve them all). Copies run on a copy stream of their own: while
+    a layer computes from one set, the experts of the layer that followed it in the previous
+    layer-wise pass (its learned successor) are copied into the other set, so PCIe and compute
+    overlap from the second pass on. Events order the two streams: the caller's stream waits for
+    a set's copy before reading it, and a copy into a set waits until the caller's stream has
+    finished with that set (``release``).
     """
 
     _shared: dict = {}
 
     def __init__(self, device):
-        self.device = device
-        self._bufs: dict[str, torch.Tensor] = {}
+        self.device = torch.device(device)
+        self._sets: list[dict[str, torch.Tensor]] = [{}, {}]
+        self._free: list = [None, None]  # event: the caller's stream is done with the set
+        self._stream = None
+        self._cur = 1               # the set the last acquired layer reads
+        self._pending = None        # (layer ref, set, ready event): a successor copied ahead
+        self._succ: dict = {}       # id(layer) -> (ref(layer), ref(next layer))
+        self._last = None           # ref of the last layer that acquired
+        self.prefetch_hits = 0      # acquires served by a copy made ahead (diagnostics)
 
     @classmethod
     def for_device(cls, device) -> "LayerStaging":
@@ -130,17 +149,64 @@ class LayerStaging:
             cls._shared[key] = cls(device)
         return cls._shared[key]
 
-    def upload(self, name: str, a: np.ndarray) -> torch.Tensor:
-        """Copy a (pinned) host array into the named buffer on the current stream, as raw bytes;
-        returns a tensor of a's dtype and shape viewing the buffer."""
-        buf = self._bufs.get(name)
-        if buf is None or buf.numel() < a.nbytes:
-            buf = torch.empty(a.nbytes, dtype=torch.uint8, device=self.device)
-            self._bufs[name] = buf
-        src = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-        dst = buf[: a.nbytes]
-        dst.copy_(src, non_blocking=True)
-        tdt = {np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8,
-               np.dtype(np.uint16): torch.int16, np.dtype(np.float32): torch.float32,
-               np.dtype(np.int32): torch.int32}[a.dtype]
-        return dst.view(tdt).view(a.shape)
+    def _copy(self, si: int, arrays: dict[str, np.ndarray]):
+        """Copy ``arrays`` (pinned host memory) into set ``si`` on the copy stream; returns the
+        event that marks the copy's end."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        bufs = self._sets[si]
+        cs = self._stream
+        if self._free[si] is not None:
+            cs.wait_event(self._free[si])
+        grow = [n for n, a in arrays.items() if n not in bufs or bufs[n].numel() < a.nbytes]
+        if grow:  # the old buffer may still be in use on either stream: let both finish first
+            torch.cuda.current_stream(self.device).synchronize()
+            cs.synchronize()
+            for n in grow:
+                bufs[n] = torch.empty(arrays[n].nbytes, dtype=torch.uint8, device=self.device)
+        with torch.cuda.stream(cs):
+            for n, a in arrays.items():
+                src = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+                bufs[n][: a.nbytes].copy_(src, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(cs)
+        return ready
+
+    def acquire(self, layer, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """The layer's arrays on the GPU (views of a staging set, in their dtypes and shapes),
+        ordered before later work on the current stream; call ``release()`` after that work."""
+        pend = self._pending
+        self._pending = None
+        if pend is not None and pend[0]() is layer:
+            si, ready = pend[1], pend[2]
+            self.prefetch_hits += 1
+        else:
+            si = 1 - self._cur
+            ready = self._copy(si, arrays)
+        torch.cuda.current_stream(self.device).wait_event(ready)
+        self._cur = si
+        last = self._last() if self._last is not None else None
+        if last is not None:
+            self._succ[id(last)] = (self._last, weakref.ref(layer))
+        self._last = weakref.ref(layer)
+        bufs = self._sets[si]
+        return {n: bufs[n][: a.nbytes].view(_TORCH_DT[a.dtype]).view(a.shape)
+                for n, a in arrays.items()}
+
+    def release(self) -> None:
+        """The current stream is done with the last acquired set (record after its last use)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._free[self._cur] = ev
+
+    def successor(self, layer):
+        """The layer that followed ``layer`` in the previous pass, if it is still alive."""
+        ent = self._succ.get(id(layer))
+        if ent is None or ent[0]() is not layer:
+            return None
+        return ent[1]()
+
+    def prefetch(self, layer, arrays: dict[str, np.ndarray]) -> None:
+        """Start copying ``layer``'s arrays into the set the last acquired layer does not use."""
+        si = 1 - self._cur
+        self._pending = (weakref.ref(layer), si, self._copy(si, arrays))

@@ -476,23 +476,18 @@ class HybridMoE:
 
     def _forward_gpu_prefill(self, x, topk_ids, topk_weights):
         """Every expert on the GPU for this batch: the layer's packed experts are copied over as
-        they are (from page-locked host memory, into staging buffers shared by all layers),
-        unpacked there, and all E experts run in one fused MoE."""
-        from ._gpu_weights import LayerStaging, pin_host_array, unpack_on_device
+        they are (from page-locked host memory, into double-buffered staging shared by all layers,
+        on a copy stream), unpacked there, and all E experts run in one fused MoE. Meanwhile the
+        next layer's experts (the one that followed this layer last time) are copied into the
+        other buffer (``kt._gpu_weights.LayerStaging``)."""
+        from ._gpu_weights import LayerStaging, unpack_on_device
         from .gpu_ops import fused_moe
 
-        if not self._pinned:
-            self._pinned = True
-            for p in (self.cpu.w13, self.cpu.w2):
-                for arr in (p.data, p.scale):
-                    pin_host_array(arr)
         stage = LayerStaging.for_device(self.device)
+        bufs = stage.acquire(self, self._prefill_arrays())
         dtype = "int8" if self.cpu.scheme is QuantScheme.INT8 else "bf16"
-        w = {}
-        for name, p in (("w13", self.cpu.w13), ("w2", self.cpu.w2)):
-            data = stage.upload(name, p.data)
-            scale = stage.upload(name + "_scale", p.scale) if p.scale.size else None
-            w[name] = unpack_on_device(p, data, scale, dtype)
+        w = {name: unpack_on_device(p, bufs[name], bufs.get(name + "_scale"), dtype)
+             for name, p in (("w13", self.cpu.w13), ("w2", self.cpu.w2))}
         w13, s13 = w["w13"]
         w2, s2 = w["w2"]
         i, off = self.intermediate, int(getattr(self.cpu, "up_offset", self.intermediate))
@@ -503,7 +498,26 @@ class HybridMoE:
             self._all_slots = torch.arange(self.num_experts, dtype=torch.int32, device=self.device)
         out = fused_moe(x, topk_ids, topk_weights, self._all_slots, w13, w2,
                         w13_scale=s13, w2_scale=s2)
+        stage.release()  # the staged bytes (or views of them) are read by now
+        nxt = stage.successor(self)
+        if isinstance(nxt, HybridMoE) and nxt.device == self.device:
+            stage.prefetch(nxt, nxt._prefill_arrays())
         return self._add_pending(out)
+
+    def _prefill_arrays(self) -> dict:
+        """The packed expert arrays layer-wise prefill copies, page-locked at first use."""
+        from ._gpu_weights import pin_host_array
+
+        arrays = {}
+        for name, p in (("w13", self.cpu.w13), ("w2", self.cpu.w2)):
+            arrays[name] = p.data
+            if p.scale.size:
+                arrays[name + "_scale"] = p.scale
+        if not self._pinned:
+            self._pinned = True
+            for a in arrays.values():
+                pin_host_array(a)
+        return arrays
 
     # -- construction helpers ---------------------------------------------------------------------
     @classmethod

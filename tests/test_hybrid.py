@@ -196,3 +196,36 @@ def test_cuda_placements_match_the_cpu_layer(weights, frac):
         # bf16 outputs and the GPU's bf16 SiLU*up intermediate: ~3e-3 relative
         assert ref.relative_error(got, want) < 1e-2, (frac, t, ref.relative_error(got, want))
         assert layer.stats.last_path == "hybrid"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (layer-wise prefill)")
+@pytest.mark.parametrize("scheme", ["int8", "bf16"])
+def test_cuda_layerwise_prefill_with_prefetch_matches_the_cpu_path(scheme):
+    """Three layers of different weights run layer-wise twice in a row: the second pass copies
+    each next layer's experts ahead into the other staging buffer (LayerStaging's learned order);
+    every output matches the same layer on its CPU path within the GPU's bf16 rounding, so no
+    layer ever reads another layer's (or a half-copied) buffer."""
+    from kt._gpu_weights import LayerStaging
+
+    layers, cpus = [], []
+    for i in range(3):
+        gate, up, down = random_expert_weights(E, H, I, seed=40 + i)
+        cpu = HybridMoE.from_tensors(gate, up, down, None, scheme=scheme, activations="int8x2"
+                                     if scheme == "int8" else "int8")
+        cpus.append(cpu)
+        layers.append(HybridMoE(cpu.cpu, None, device="cuda", gpu_prefill_token_threshold=16))
+    stage = LayerStaging.for_device(torch.device("cuda"))
+    rng = np.random.default_rng(5)
+    t = 40
+    for rep in range(2):
+        hits = stage.prefetch_hits
+        for layer, cpu in zip(layers, cpus):
+            x = torch.from_numpy(rng.standard_normal((t, H)).astype(np.float32)).to(torch.bfloat16)
+            ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(t)]))
+            w = torch.from_numpy(rng.random((t, K), dtype=np.float32))
+            got = layer(x.cuda(), ids.cuda(), w.cuda()).float().cpu()
+            assert layer.stats.last_path == "gpu_prefill"
+            want = cpu(x.float(), ids, w)
+            assert ref.relative_error(got, want) < 1e-2, (rep, scheme, ref.relative_error(got, want))
+        # the first pass learns the order; in the second, layers 1 and 2 were copied ahead
+        assert stage.prefetch_hits - hits == (0 if rep == 0 else 2)
