@@ -75,6 +75,7 @@ def unpack_on_device(p: PackedWeight, data: torch.Tensor, scale: torch.Tensor | 
 
 
 _PINNED: set = set()
+PIN_MIN_BYTES = 1 << 20
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 _CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 
@@ -85,11 +86,14 @@ def pin_host_array(a: np.ndarray) -> bool:
     Uses the driver API (cuMemHostRegister), whose errors do not linger in the runtime's
     last-error state the way cudaHostRegister's do (torch would raise them at its next launch).
     The range is widened to whole pages; pages already locked (another array sharing a page, or
-    an earlier call) count as locked.
+    an earlier call) count as locked. Arrays under 1 MiB are left pageable: they live in the
+    allocator's heap, whose pages other objects share and may give back while the registration
+    lasts (the H200 raised "invalid argument" on copies from such arrays), and at that size DMA
+    speed does not matter.
     """
     import ctypes
 
-    if a.nbytes == 0:
+    if a.nbytes < PIN_MIN_BYTES:
         return False
     page = 4096
     start = a.ctypes.data // page * page
