@@ -61,6 +61,7 @@ S_SCHEME, S_XBF16, S_OBF16 = 218, 219, 220
 S_PROF = 221  # address of an int64 [nth, PHASES, 2] profile (busy, waiting cycles), 0 = off
 S_LEVELS = 222  # activation rows per (token, slot): 1, or 2 for two-level int8 ("int8x2")
 S_GATE, S_DONE = 223, 224  # stream-gated job: int32 "start" / "done" flag addresses (0 = none)
+DESC_WORDS = 225  # the words above (a layer's template covers them all)
 
 PHASES = 6
 PHASE_WORDS = 3 * CTRL_STRIDE  # claim, done, ntasks: one line each
@@ -237,14 +238,28 @@ def _put_slot(desc, slot, a):
 
 
 @njit(cache=True)
-def put_call_arrays(desc, x, out, ids, tw, mask):
-    """Write the per-call array slots (x, out, ids, tw, mask) of ``desc`` (cheaper from here than
-    five numpy ``.ctypes`` look-ups)."""
+def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13,
+             bpt2, levels, prof, gate, done):
+    """Write the per-call words of ``desc``: the array slots (x, out, ids, tw, mask) and the call's
+    scalars (one jitted call instead of five numpy ``.ctypes`` look-ups and ~15 item stores)."""
     _put_slot(desc, A_X, x)
     _put_slot(desc, A_OUT, out)
     _put_slot(desc, A_IDS, ids)
     _put_slot(desc, A_TW, tw)
     _put_slot(desc, A_MASK, mask)
+    desc[S_T] = T
+    desc[S_CHUNK] = C
+    desc[S_NCHUNK] = nch
+    desc[S_INCR] = incr
+    desc[S_XBF16] = x_bf16
+    desc[S_OBF16] = o_bf16
+    desc[S_GEMV_MAX] = gemv_max
+    desc[S_BPT13] = bpt13
+    desc[S_BPT2] = bpt2
+    desc[S_LEVELS] = levels
+    desc[S_PROF] = prof
+    desc[S_GATE] = gate
+    desc[S_DONE] = done
 
 
 @njit(cache=True)

@@ -109,11 +109,11 @@ def _routing(name_ids, ids, name_w, w, T, E):
         raise TypeError(f"{name_w}: {exc}") from None
     if ids_np.ndim != 2 or ids_np.shape[0] != T:
         raise ValueError(f"{name_ids} must be [T={T}, K], got shape {ids_np.shape}")
-    if not np.issubdtype(ids_np.dtype, np.integer):
+    if ids_np.dtype.kind not in "iu":
         raise TypeError(f"{name_ids} must hold integers, got {ids_np.dtype}")
     if w_np.shape != ids_np.shape:
         raise ValueError(f"{name_w} must have the shape of {name_ids} {ids_np.shape}, got {w_np.shape}")
-    if not np.issubdtype(w_np.dtype, np.floating):
+    if w_np.dtype.kind != "f":
         raise TypeError(f"{name_w} must be floating point, got {w_np.dtype}")
     ids64 = np.ascontiguousarray(ids_np, dtype=np.int64)
     if ids64.size:
@@ -391,11 +391,21 @@ class CPUMoE:
     # -- descriptor pieces
 
     def _weight_desc(self) -> np.ndarray:
-        d = np.zeros(drv.N_SLOTS * drv.SLOT, np.int64)
+        """The descriptor words that never change for this layer: weight slots, shapes, kernels."""
+        d = np.zeros(drv.DESC_WORDS, np.int64)
         for slot, a in ((drv.A_W13D, self.w13.data), (drv.A_W13S, self.w13.scale),
                         (drv.A_W13W, self.w13.wsum), (drv.A_W2D, self.w2.data),
                         (drv.A_W2S, self.w2.scale), (drv.A_W2W, self.w2.wsum)):
             _put(d, slot, a)
+        d[drv.S_E] = self.num_experts
+        d[drv.S_H] = self.hidden
+        d[drv.S_I] = self.intermediate
+        d[drv.S_UPOFF] = self.up_offset
+        d[drv.S_GS13] = self.w13.group_size
+        d[drv.S_GS2] = self.w2.group_size
+        d[drv.D_KV13] = d[drv.D_KV2] = self._kaddr[0]
+        d[drv.D_KM13] = d[drv.D_KM2] = self._kaddr[1]
+        d[drv.S_SCHEME] = _SCHEME_CODE[self.scheme]
         return d
 
     def _scratch_desc(self, pool: CpuPool, rows_cap: int, tok_cap: int, K: int, act_dtype) -> np.ndarray:
@@ -427,6 +437,7 @@ class CPUMoE:
                                     np.float32).reshape(pool.num_threads, hacc),
         }
         d = self._wdesc.copy()
+        d[drv.S_K] = K
         for slot, a in bufs.items():
             _put(d, slot, a.view(np.int8) if slot in (drv.A_XG, drv.A_HQ) else a)
         if len(self._tmpl) > 16:
@@ -602,31 +613,13 @@ class CPUMoE:
             tmpl = self._scratch_desc(pool, rows_cap, tok_cap, K, act)
             desc[: tmpl.size] = tmpl
             xs, os_, is_, ws = xa[j0:j1], ob[j0:j1], ids[j0:j1], tw[j0:j1]
-            drv.put_call_arrays(desc, xs, os_, is_, ws, mask)
-            desc[drv.S_T] = T
-            desc[drv.S_K] = K
-            desc[drv.S_E] = self.num_experts
-            desc[drv.S_H] = self.hidden
-            desc[drv.S_I] = self.intermediate
-            desc[drv.S_UPOFF] = self.up_offset
-            desc[drv.S_CHUNK] = C
-            desc[drv.S_INCR] = int(bool(incremental))
-            desc[drv.S_GEMV_MAX] = self.gemv_max
-            desc[drv.S_GS13] = self.w13.group_size
-            desc[drv.S_GS2] = self.w2.group_size
-            desc[drv.S_NCHUNK] = nch
-            desc[drv.S_BPT13], desc[drv.S_BPT2] = self.blocks_per_task
-            desc[drv.D_KV13] = desc[drv.D_KV2] = self._kaddr[0]
-            desc[drv.D_KM13] = desc[drv.D_KM2] = self._kaddr[1]
-            desc[drv.S_SCHEME] = _SCHEME_CODE[self.scheme]
-            desc[drv.S_XBF16] = int(xkind == "bf16")
-            desc[drv.S_OBF16] = int(okind == "bf16")
-            desc[drv.S_LEVELS] = self.levels
             prof = self._prof
             if prof is not None and prof.shape[0] < pool.num_threads:
                 raise ValueError("CPUMoE.profile: the pool has more threads than the profile")
-            desc[drv.S_PROF] = 0 if prof is None else prof.ctypes.data
-            desc[drv.S_GATE], desc[drv.S_DONE] = gate
+            bpt13, bpt2 = self.blocks_per_task
+            drv.put_call(desc, xs, os_, is_, ws, mask, T, C, nch, int(bool(incremental)),
+                         int(xkind == "bf16"), int(okind == "bf16"), self.gemv_max, bpt13, bpt2,
+                         self.levels, 0 if prof is None else prof.ctypes.data, gate[0], gate[1])
             return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self))
 
         return launch
