@@ -7,7 +7,7 @@ Sections (each independent; a failure is recorded and the script goes on):
   correctness  HybridMoE (25 % GPU) vs the fp32 reference of the same quantised weights
   overlap      qwen3-30b-a3b layer, INT8 CPU experts, 0/25/50/100 % of experts on the GPU,
                T in {1, 8, 64, 512, 4096}: hybrid time vs max(CPU part alone, GPU part alone)
-  graph_overlap  the same for T in {1, 8} with the layer (and the GPU part alone) replayed from
+  graph_overlap  the same for T in {1, 8, 64} with the layer (and the GPU part alone) replayed from
                CUDA graphs, as decode runs it; the gated CPU part (the default) interleaved with
                the polled one (kt._stream_bridge)
   graph        a 4-layer decode step captured in a CUDA graph, replayed: identical to eager?
@@ -130,11 +130,11 @@ def section_graph_overlap(cpu, dev, res, reps):
 
     gen = torch.Generator().manual_seed(4)
     rows = []
-    for frac in (0.0, 0.25, 0.5):
+    for frac in (0.0, 0.25, 0.5, 1.0):
         row = placement_row(frac, E, 2)
         layer = HybridMoE(cpu, row, device=dev)
         g = layer._gpu
-        for t in (1, 8):
+        for t in (1, 8, 64):
             x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
             ids, w = routing(t, E, K, gen, dev)
             layer(x, ids, w)
@@ -163,7 +163,8 @@ def section_graph_overlap(cpu, dev, res, reps):
                               w2_scale=g["w2_scale"])
                 gpu_alone = timed(gg.replay, 5 * reps)
             xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
-            cpu_alone = timed(lambda: cpu(xc, ic, wc, gpu_mask=row >= 0), 5 * reps)
+            cpu_alone = (timed(lambda: cpu(xc, ic, wc, gpu_mask=row >= 0), 5 * reps) if frac < 1
+                         else (0.0, 0.0))
             bound = max(cpu_alone[0], gpu_alone[0])
             rows.append(dict(gpu_frac=frac, T=t, hybrid_graph_min_ms=hyb[0] * 1e3,
                              hybrid_graph_med_ms=hyb[1] * 1e3, polled_graph_min_ms=polled[0] * 1e3,
