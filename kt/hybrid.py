@@ -4,9 +4,12 @@ Legend: T tokens, E experts, K top-k, H hidden, I intermediate, S GPU slots.
 
 Data flow of ``forward`` with CUDA tensors (no host synchronisation, CUDA-graph capturable):
 
-    x, ids, w (GPU) --D2H on the stream--> pinned buffers --stream writes "start"--> CPU worker
+    x, ids, w (GPU) --D2H on the stream--> pinned buffers --stream writes "start"--> CPU pool
     GPU: Triton fused MoE over the hot experts (runs while the CPU computes the cold ones)
     stream waits for "done" --H2D of the CPU result--> out = gpu_out + cpu_out (+ deferred)
+
+The CPU pool's job is published before the stream reaches "start" and its threads wait for the
+flag inside it (``kt._stream_bridge``, ``CPUMoE.submit_gated``).
 
 Deferred experts (``max_deferred_experts_per_token = d``): for each token, its d lowest-weight
 CPU experts are not waited for in this layer; they are computed while the next layer runs and
@@ -14,8 +17,9 @@ their contribution is added to the *next* layer's MoE output. This changes the m
 deferred part skips the next layer's attention and router input); the last layer defers nothing.
 
 Layer-wise GPU prefill: for batches of at least ``gpu_prefill_token_threshold`` tokens, all of the
-layer's CPU experts are copied to the GPU and computed there. ``"auto"`` picks the threshold from
-a cost model (see ``PrefillCostModel``).
+layer's CPU experts are copied to the GPU and computed there, through two staging buffers on a
+copy stream: the next layer's experts are copied while this one computes (``LayerStaging``).
+``"auto"`` picks the threshold from a cost model (see ``PrefillCostModel``).
 """
 from __future__ import annotations
 
@@ -105,16 +109,17 @@ class PrefillCostModel:
     Calibration: the H2D rate is measured once (page-locked, 64 MiB); ``cpu_flops`` and
     ``cpu_bytes_per_s`` follow the CPU part of earlier calls (an exponential average: prefill-sized
     calls inform the compute rate, decode-sized ones the bandwidth). ``gpu_overhead`` covers the
-    unpacking on the GPU and the launches: 15.1 ms for a 604 MB qwen3-30b-a3b INT8 layer against
-    11.2 ms of pure transfer on the H200 (benchmarks/results/hybrid_run3_prefill.json). The defaults
-    are that machine's 15-thread CPU figures (INT8, T=4096: 59 ms).
+    unpacking on the GPU and the launches: 12.7 ms for a 604 MB qwen3-30b-a3b INT8 layer against
+    11.4 ms of pure transfer on the H200 with the double-buffered staging (session 4,
+    benchmarks/results/hybrid_s4_run8_prefill.json; 15.1 ms before it, hybrid_run3_prefill.json).
+    The defaults are that machine's 15-thread CPU figures (INT8, T=4096: 59 ms).
     """
 
     h2d_bytes_per_s: float = 25e9
     cpu_bytes_per_s: float = 100e9
     cpu_flops: float = 5e12
     gpu_flops: float = 300e12
-    gpu_overhead: float = 1.35
+    gpu_overhead: float = 1.15
     observations: int = 0
 
     def cpu_seconds(self, t: int, k: int, e: int, h: int, i: int, bytes_per_expert: float) -> float:
