@@ -99,6 +99,10 @@ def checks(data: dict) -> dict:
         if isinstance(c2, dict):
             out["correctness_gpu25_int8_skewed_d0_int8x2"] = {
                 k: c2[k] for k in ("kl_mean", "kl_max", "rel_err_mean", "rel_err_max", "top1_agree")}
+    sens = data.get("correctness_reference", {}).get("bf16_rounding_sensitivity")
+    if isinstance(sens, dict) and isinstance(sens.get("skewed"), dict):
+        out["correctness_yardstick_all_gpu_int8_exact_vs_bf16_skewed"] = {
+            k: sens["skewed"][k] for k in ("kl_mean", "kl_max", "rel_err_mean", "rel_err_max", "top1_agree")}
     return out
 
 

@@ -437,6 +437,26 @@ def measure_correctness(ctx: Ctx, rc: RunConfig, entry: dict) -> None:
             ctx.ref_logits[routing] = model.prefill(ctx.corr_tokens[None], all_logits=True)[0].float().cpu()
             ctx.results.data["correctness_reference"][routing] = dict(
                 config=rc.name, experts_backend=model.experts.kind, positions=int(ctx.corr_tokens.numel()))
+        if ctx.cuda:
+            # how far this random 48-layer model moves under a perturbation of bf16-rounding size:
+            # the same all-GPU run with the experts' exact INT8 values (q * row scale in fp32 in the
+            # kernel) instead of those values rounded to bf16 -- the yardstick for the hybrid's KL
+            saved_experts = model.experts
+            try:
+                model.experts = FusedGPUExperts(ctx.expert_sets("int8"), ctx.layer_set, ctx.device, "int8")
+                sens = {}
+                for routing in ("uniform", "skewed"):
+                    ctx.set_routing(routing)
+                    out = model.prefill(ctx.corr_tokens[None], all_logits=True)[0].float().cpu()
+                    sens[routing] = _logit_compare(out, ctx.ref_logits[routing])
+                ctx.results.data["correctness_reference"]["bf16_rounding_sensitivity"] = sens
+                ctx.log("all-GPU int8-exact vs bf16 weights (the model's sensitivity): " + ", ".join(
+                    f"{r} KL {v['kl_mean']:.3g} rel {v['rel_err_mean']:.3g}" for r, v in sens.items()))
+            except Exception as exc:  # a yardstick only: never fail the run over it
+                ctx.results.data["correctness_reference"]["bf16_rounding_sensitivity"] = f"error: {exc!r}"
+            finally:
+                model.experts = saved_experts
+                torch.cuda.empty_cache()
         model.router_bias = saved
         entry["correctness"] = "reference for the other configurations"
         return
