@@ -59,7 +59,9 @@ def _channel(log, name, x, ids, w):
 @pytest.fixture(scope="module")
 def cpu():
     g, u, d = random_expert_weights(E, H, I, seed=5)
-    return CPUMoE.from_tensors(g, u, d, scheme="bf16")
+    moe = CPUMoE.from_tensors(g, u, d, scheme="bf16")
+    moe(*_inputs(2, 99))  # compile the layer here, not inside a test's timed waits (cold cache)
+    return moe
 
 
 def _inputs(t, seed):
@@ -193,6 +195,9 @@ def test_gated_jobs_wait_for_their_flag_and_publish_done(cpu, dtype):
         exp = cpu(ch.h_x, ids, w, gpu_mask=mask)  # the same inputs through the plain call
         assert torch.equal(ch.h_out.view(torch.int16) if dtype == torch.bfloat16 else ch.h_out,
                            exp.view(torch.int16) if dtype == torch.bfloat16 else exp)
+    t0 = time.monotonic()  # the service thread books a job's time after it raised "done"
+    while len(bridge.times) < 2 and time.monotonic() - t0 < 10:
+        time.sleep(1e-3)
     assert [(t, k) for t, k, _ in bridge.times] == [(1, K), (6, K)]
     assert all(s > 0 for _, _, s in bridge.times)
     service.raise_pending()  # no error
@@ -251,3 +256,20 @@ def test_submit_gated_abort_and_checks(cpu):
         cpu.submit_gated(np.zeros((big, H), np.float32), np.zeros((big, K), np.int64),
                          np.zeros((big, K), np.float32), np.zeros((big, H), np.float32),
                          sig.start_address, sig.done_address)
+
+
+def test_gated_result_survives_the_next_job(cpu):
+    """A gated job's result (finished, skipped ids) is its own: another job begun on the same pool
+    before the handle is read (the pool's control words are zeroed then) does not change it."""
+    sig = FlagSignal()
+    x, ids, w = _inputs(3, 33)
+    bad = ids.to(torch.int64).clone()
+    bad[0, 1] = E  # out of range: skipped and counted
+    out = np.zeros((3, H), np.float32)
+    h = cpu.submit_gated(x.numpy(), bad.numpy(), w.numpy(), out, sig.start_address, sig.done_address)
+    sig.start()
+    assert sig.wait_done()
+    x2, ids2, w2 = _inputs(2, 34)
+    cpu(x2, ids2, w2)  # a plain call on the same pool: begins (and finishes) the next job first
+    res = h.wait()
+    assert res.opened and res.finished and res.bad_ids == 1 and res.error is None and res.seconds > 0

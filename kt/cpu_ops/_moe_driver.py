@@ -61,7 +61,10 @@ S_SCHEME, S_XBF16, S_OBF16 = 218, 219, 220
 S_PROF = 221  # address of an int64 [nth, PHASES, 2] profile (busy, waiting cycles), 0 = off
 S_LEVELS = 222  # activation rows per (token, slot): 1, or 2 for two-level int8 ("int8x2")
 S_GATE, S_DONE = 223, 224  # stream-gated job: int32 "start" / "done" flag addresses (0 = none)
-DESC_WORDS = 225  # the words above (a layer's template covers them all)
+S_RESULT = 225  # a gated job's own int64 [RESULT_WORDS] result (see R_*), its handle's to read
+DESC_WORDS = 226  # the words above (a layer's template covers them all)
+R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
+RESULT_WORDS = 5
 
 PHASES = 6
 PHASE_WORDS = 3 * CTRL_STRIDE  # claim, done, ntasks: one line each
@@ -71,9 +74,10 @@ TASKS_PER_THREAD = 4
 
 
 # words after the phases of the last chunk (a gated job's): gate open, finishers, ids outside
-# [-1, E) skipped, then the time-stamp counter at gate open and at the end (one line)
-G_OPEN, G_FIN, G_BAD, G_CYCLES = 0, CTRL_STRIDE, 2 * CTRL_STRIDE, 3 * CTRL_STRIDE
-GATE_WORDS = 4 * CTRL_STRIDE
+# [-1, E) skipped. What the job's handle reads goes to the job's own result array (S_RESULT), not
+# here: the pool's control words are zeroed by the next job, which another thread may begin first.
+G_OPEN, G_FIN, G_BAD = 0, CTRL_STRIDE, 2 * CTRL_STRIDE
+GATE_WORDS = 3 * CTRL_STRIDE
 
 
 def jctrl_words(nchunks: int) -> int:
@@ -239,7 +243,7 @@ def _put_slot(desc, slot, a):
 
 @njit(cache=True)
 def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13,
-             bpt2, levels, prof, gate, done):
+             bpt2, levels, prof, gate, done, result):
     """Write the per-call words of ``desc``: the array slots (x, out, ids, tw, mask) and the call's
     scalars (one jitted call instead of five numpy ``.ctypes`` look-ups and ~15 item stores)."""
     _put_slot(desc, A_X, x)
@@ -260,6 +264,7 @@ def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_
     desc[S_PROF] = prof
     desc[S_GATE] = gate
     desc[S_DONE] = done
+    desc[S_RESULT] = result
 
 
 @njit(cache=True)
@@ -401,14 +406,16 @@ def _wait_phase(jctrl, base, n):
 # ----------------------------------------------------------------------------- stream gate
 
 @njit(nogil=True, cache=True)
-def _open_gate(jctrl, gate, gb):
+def _open_gate(jctrl, gate, gb, res):
     """Wait until the int32 flag at address ``gate`` is set (a CUDA stream reached the job's
-    start point) or another participant saw it; False if the job was aborted meanwhile."""
+    start point) or another participant saw it; False if the job was aborted meanwhile. The
+    participant that sees the flag first notes it in the job's result ``res``."""
     i = 0
     while atomic_load(jctrl, gb + G_OPEN) == 0:
         if flag_load(gate) != 0:
             if atomic_add(jctrl, gb + G_OPEN, 1) == 0:
-                jctrl[gb + G_CYCLES] = cycles()
+                res[R_OPEN_CYCLES] = cycles()
+                res[R_OPENED] = 1
             break
         if atomic_load(jctrl, JOB_ABORT) != 0:
             return False
@@ -586,7 +593,9 @@ def moe_job(nth, jctrl, desc):
         return
     gate = desc[S_GATE]
     gb = gate_base(desc[S_NCHUNK])
-    if gate != 0 and not _open_gate(jctrl, gate, gb):
+    ra = desc[S_RESULT]
+    res = carray(_ptr(ra if gate != 0 else np.int64(desc.ctypes.data), np.int64), (RESULT_WORDS,))
+    if gate != 0 and not _open_gate(jctrl, gate, gb, res):
         return
     scheme = desc[S_SCHEME]
     bf16 = scheme == SCHEME_BF16
@@ -723,7 +732,9 @@ def moe_job(nth, jctrl, desc):
     if gate != 0 and atomic_add(jctrl, gb + G_FIN, 1) == 0:
         # the first participant out publishes the result to the stream: "start" is consumed
         # (the stream writes it again only after it saw "done"), then "done"
-        jctrl[gb + G_CYCLES + 1] = cycles()
+        res[R_BAD_IDS] = jctrl[gb + G_BAD]
+        res[R_END_CYCLES] = cycles()
+        res[R_FINISHED] = 1
         flag_store(gate, 0)
         flag_store(desc[S_DONE], 1)
     atomic_store(jctrl, JOB_COMPLETE, 1)

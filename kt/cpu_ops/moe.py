@@ -19,7 +19,7 @@ import numpy as np
 from ..config import QuantScheme, check_activations
 from . import _moe_driver as drv
 from .packing import BLOCK_N, PackedWeight, pack
-from .pool import JOB_ABORT, CpuPool, default_pool
+from .pool import CpuPool, default_pool
 
 __all__ = ["CPUMoE", "MoEHandle", "GatedHandle", "GateResult", "gemv_max_rows"]
 
@@ -210,10 +210,10 @@ class GatedHandle:
     from the start flag on) and returns a ``GateResult``; ``abort()`` releases the participants
     of a job whose start flag will never come."""
 
-    def __init__(self, pool: CpuPool, handle, gbase: int):
+    def __init__(self, pool: CpuPool, handle, words: np.ndarray):
         self._pool = pool
         self._handle = handle
-        self._gb = gbase
+        self._words = words  # the job's own result words (_moe_driver.R_*)
         self._result: GateResult | None = None
 
     def abort(self) -> None:
@@ -226,12 +226,10 @@ class GatedHandle:
                 self._handle.wait()
             except RuntimeError as exc:  # a participant raised: re-raised by PoolHandle.wait
                 err = exc.__cause__ or exc
-            j = self._pool.job_words()
-            gb = self._gb
-            opened = bool(j[gb + drv.G_OPEN])
-            finished = bool(j[gb + drv.G_FIN]) and err is None and not j[JOB_ABORT]
-            cyc = int(j[gb + drv.G_CYCLES + 1] - j[gb + drv.G_CYCLES]) if finished else 0
-            self._result = GateResult(opened, finished, int(j[gb + drv.G_BAD]),
+            r = self._words
+            finished = bool(r[drv.R_FINISHED]) and err is None
+            cyc = int(r[drv.R_END_CYCLES] - r[drv.R_OPEN_CYCLES]) if finished else 0
+            self._result = GateResult(bool(r[drv.R_OPENED]), finished, int(r[drv.R_BAD_IDS]),
                                       max(cyc, 0) / tsc_hz(), err)
         return self._result
 
@@ -546,9 +544,10 @@ class CPUMoE:
         mask = self._mask_arg(gpu_mask)
         kind = "bf16" if x.dtype == np.uint16 else "f32"
         pool = self.pool
+        words = np.zeros(drv.RESULT_WORDS, np.int64)
         h = self._launcher(pool, x, out, topk_ids, topk_weights, mask, 0, T, K, False, kind, kind,
-                           gate=(start_flag, done_flag))()
-        return GatedHandle(pool, h, drv.gate_base(-(-T // min(self.chunk_tokens, T))))
+                           gate=(start_flag, done_flag, words))()
+        return GatedHandle(pool, h, words)
 
     @property
     def max_gated_tokens(self) -> int:
@@ -601,7 +600,7 @@ class CPUMoE:
         return {"wall_ms": wall * 1e3, "threads": pool.num_threads, "phases": phases}
 
     def _launcher(self, pool, xa, ob, ids, tw, mask, j0, j1, K, incremental, xkind, okind,
-                  gate=(0, 0)):
+                  gate=None):
         def launch():
             T = j1 - j0
             C = min(self.chunk_tokens, T)
@@ -617,10 +616,12 @@ class CPUMoE:
             if prof is not None and prof.shape[0] < pool.num_threads:
                 raise ValueError("CPUMoE.profile: the pool has more threads than the profile")
             bpt13, bpt2 = self.blocks_per_task
+            start, done, words = gate if gate is not None else (0, 0, None)
             drv.put_call(desc, xs, os_, is_, ws, mask, T, C, nch, int(bool(incremental)),
                          int(xkind == "bf16"), int(okind == "bf16"), self.gemv_max, bpt13, bpt2,
-                         self.levels, 0 if prof is None else prof.ctypes.data, gate[0], gate[1])
-            return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self))
+                         self.levels, 0 if prof is None else prof.ctypes.data, start, done,
+                         0 if words is None else words.ctypes.data)
+            return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self, words))
 
         return launch
 

@@ -671,11 +671,6 @@ class CpuPool:
         if st.job is handle._job and not handle._job.complete:
             _store_gil(st.jctrl, JOB_ABORT, 1)
 
-    def job_words(self) -> np.ndarray:
-        """The control words of the current (or last) job: read a finished job's own words here
-        before the next ``begin()`` zeroes them."""
-        return self._state.jctrl
-
     def _wait_job(self, job: _Job) -> None:
         if job.complete:
             return
