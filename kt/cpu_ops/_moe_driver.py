@@ -38,9 +38,9 @@ from numba.extending import intrinsic, overload
 
 from . import cache as _cache
 from .actquant import _u32_as_f32, bf16_bits_to_f32, bf16_row, f32_to_bf16_bits, quant_row_i8
-from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, _sched_yield,
-                   atomic_add, atomic_load, atomic_store, cpu_pause, flag_load, flag_store,
-                   icall_codegen, native_address)
+from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, atomic_add,
+                   atomic_load, atomic_store, flag_load, flag_store, icall_codegen,
+                   native_address, spin_relax)
 
 _cache.install()
 
@@ -323,23 +323,28 @@ def _blocks_per_task(nblocks, n_active, nthreads, fixed):
 
 @njit(nogil=True, cache=True)
 def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, bpt13, bpt2, R):
-    """Bucket (token, slot) pairs of tokens [t0, t1) by expert. Returns (rows, n13, n2, fused):
+    """Bucket (token, slot) pairs of tokens [t0, t1) by expert. Returns (rows, n13, n2, fused, bad):
     fused when every gate+up task covers a whole expert (then it also computes the expert's
     activations and down GEMM: phases 3 and 4 have no tasks).
 
     pos[t - t0, k]: first of the R gathered rows of slot (t, k), or -1; offs[e]..offs[e+1]: rows
     of expert e (R per slot: the levels of two-level activations are consecutive rows). Ids
-    outside [0, E) are skipped like -1 (a stream-gated job's ids were never checked in Python).
+    outside [0, E) are skipped like -1 (a stream-gated job's ids were never checked in Python);
+    bad counts those outside [-1, E).
     """
     E = offs.shape[0] - 1
     K = ids.shape[1]
     for e in range(E + 1):
         offs[e] = 0
+    bad = 0
     for t in range(t0, t1):
         for k in range(K):
             e = ids[t, k]
-            if e >= 0 and e < E and mask[e] != 0:
-                offs[e + 1] += R
+            if e >= 0 and e < E:
+                if mask[e] != 0:
+                    offs[e + 1] += R
+            elif e != -1:
+                bad += 1
     n_act = 0
     for e in range(E):
         if offs[e + 1] > 0:
@@ -384,7 +389,7 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
             tasks2[n2, 1] = b0
             tasks2[n2, 2] = min(b0 + b2, nb2)
             n2 += 1
-    return run, n13, n2, fused
+    return run, n13, n2, fused, bad
 
 
 # ----------------------------------------------------------------------------- phase barrier
@@ -396,10 +401,8 @@ def _wait_phase(jctrl, base, n):
     while atomic_load(jctrl, base + CTRL_STRIDE) < n:
         if atomic_load(jctrl, JOB_ABORT) != 0:
             return False
-        cpu_pause()
         i += 1
-        if (i & 1023) == 1023:
-            _sched_yield()
+        spin_relax(i, 1024)
     return atomic_load(jctrl, JOB_ABORT) == 0
 
 
@@ -419,23 +422,9 @@ def _open_gate(jctrl, gate, gb, res):
             break
         if atomic_load(jctrl, JOB_ABORT) != 0:
             return False
-        cpu_pause()
         i += 1
-        if (i & 1023) == 1023:
-            _sched_yield()
+        spin_relax(i, 1024)
     return True
-
-
-@njit(nogil=True, cache=True)
-def _count_bad_ids(ids, t0, t1, E):
-    """Ids of tokens [t0, t1) outside [-1, E) (skipped by the plan; reported by Python)."""
-    n = 0
-    for t in range(t0, t1):
-        for k in range(ids.shape[1]):
-            v = ids[t, k]
-            if v < -1 or v >= E:
-                n += 1
-    return n
 
 
 # ----------------------------------------------------------------------------- the job
@@ -649,11 +638,10 @@ def moe_job(nth, jctrl, desc):
                     break
                 tc = cycles() if pa != 0 else 0
                 if ph == 0:
-                    rows, n13, n2, fused = _plan(t0, t1, ids, mask, pos, offs, order, tasks13,
-                                                 tasks2, nb13, nb2, nth, desc[S_BPT13],
-                                                 desc[S_BPT2], R)
-                    if gate != 0:
-                        jctrl[gb + G_BAD] += _count_bad_ids(ids, t0, t1, desc[S_E])
+                    rows, n13, n2, fused, bad = _plan(t0, t1, ids, mask, pos, offs, order,
+                                                      tasks13, tasks2, nb13, nb2, nth,
+                                                      desc[S_BPT13], desc[S_BPT2], R)
+                    jctrl[gb + G_BAD] += bad
                     nt = t1 - t0
                     # the plan phase's own ntasks word carries the chunk's row count
                     jctrl[base + 2 * CTRL_STRIDE] = rows

@@ -46,7 +46,7 @@ from . import cache as _cache
 _cache.install()
 
 __all__ = ["CpuPool", "PoolHandle", "default_pool", "numa_nodes", "atomic_load", "atomic_store",
-           "atomic_add", "cpu_pause", "flag_load", "flag_store", "CTRL_STRIDE", "JOB_ABORT",
+           "atomic_add", "cpu_pause", "spin_relax", "flag_load", "flag_store", "CTRL_STRIDE", "JOB_ABORT",
            "JOB_COMPLETE", "JOB_FREE"]
 
 # One control word per 128 bytes so that counters written by different threads never share a line.
@@ -159,6 +159,15 @@ def _sched_yield(typingctx):
     return types.void(), codegen
 
 
+@njit(nogil=True, cache=True, inline="always")
+def spin_relax(i, every):
+    """One step of a spin-wait: ``pause``, and every ``every`` steps (a power of two) a
+    ``sched_yield`` so a waiter never starves another runnable thread of its core."""
+    cpu_pause()
+    if (i & (every - 1)) == every - 1:
+        _sched_yield()
+
+
 @njit(nogil=True, cache=True)
 def spin_until_changed(ctrl, idx, old, max_spins):
     """Spin (pause) until ctrl[idx] != old or max_spins pauses have passed; returns ctrl[idx]."""
@@ -166,9 +175,7 @@ def spin_until_changed(ctrl, idx, old, max_spins):
         v = atomic_load(ctrl, idx)
         if v != old:
             return v
-        cpu_pause()
-        if (i & 1023) == 1023:
-            _sched_yield()
+        spin_relax(i, 1024)
     return atomic_load(ctrl, idx)
 
 
@@ -179,9 +186,7 @@ def spin_until_at_least(ctrl, idx, target, max_spins):
         v = atomic_load(ctrl, idx)
         if v >= target:
             return v
-        cpu_pause()
-        if (i & 1023) == 1023:
-            _sched_yield()
+        spin_relax(i, 1024)
     return atomic_load(ctrl, idx)
 
 
@@ -210,9 +215,7 @@ def _spin_for_job(ctrl, last, max_spins):
         v = atomic_load(ctrl, _SEQ)
         if (v > 0 and v != last) or atomic_load(ctrl, _STOP) != 0:
             return v
-        cpu_pause()
-        if (i & 1023) == 1023:
-            _sched_yield()
+        spin_relax(i, 1024)
     return last
 
 
@@ -222,9 +225,7 @@ def _spin_done(jctrl, max_spins):
     for i in range(max_spins):
         if atomic_load(jctrl, JOB_COMPLETE) != 0 or atomic_load(jctrl, JOB_ABORT) != 0:
             return True
-        cpu_pause()
-        if (i & 255) == 255:
-            _sched_yield()
+        spin_relax(i, 256)
     return atomic_load(jctrl, JOB_COMPLETE) != 0 or atomic_load(jctrl, JOB_ABORT) != 0
 
 
@@ -234,9 +235,7 @@ def _spin_idle(ctrl, max_spins):
     for i in range(max_spins):
         if atomic_load(ctrl, _ACTIVE) == 0:
             return True
-        cpu_pause()
-        if (i & 255) == 255:
-            _sched_yield()
+        spin_relax(i, 256)
     return atomic_load(ctrl, _ACTIVE) == 0
 
 
