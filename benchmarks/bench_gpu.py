@@ -15,7 +15,11 @@ Parts, in order (gpu.json is rewritten after each, so a late failure loses nothi
 3. speed: each candidate config timed as a CUDA-graph replay (L2 flushed by do_bench between runs);
    T <= 64 as a fraction of HBM bandwidth over the hot-expert weight bytes touched, T >= 512 as a
    fraction of the bf16 matmul rate over the GEMM FLOPs; the best correct config per T goes to the table.
-4. stream_sync: a step (D2H to pinned, "start", GPU op, "wait done", H2D, add) with a Numba nogil
+4. tune (`--tune`): the gate+up and the down kernel swept *separately* (each stage alone, graph
+   replay, L2 flushed) for the direct path at decode T and the sorted path at prefill T (per block_m,
+   since both sorted kernels share the alignment); the best pair then timed as a whole op against the
+   config the shipped table gives, interleaved, and written to the table if faster.
+5. stream_sync: a step (D2H to pinned, "start", GPU op, "wait done", H2D, add) with a Numba nogil
    worker thread, eager and captured in a CUDA graph, replayed 220 times, memop vs host-function,
    against the same graph without the CPU part.
 """
@@ -178,6 +182,7 @@ def graph_of(torch, fn):
 
 def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
     from kt.gpu_ops import MoEConfig, fused_moe, pick_config
+    from kt.gpu_ops.configs import config_from_dict
     dev = "cpu" if dry else "cuda"
     table = {}
     for name, sh in shapes.items():
@@ -277,7 +282,8 @@ def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
                     table.setdefault(f"H{sh['H']}_I{sh['I']}_{dtype}", {})[str(t)] = best["config"]
                     # breakdown: each stage alone, and the fixed floor (every id -1: no tile runs)
                     try:
-                        sp.update(stage_times(torch, do_bench, x, ids, w, e2s, wts, sh, MoEConfig(**best["config"])))
+                        sp.update(stage_times(torch, do_bench, x, ids, w, e2s, wts, sh,
+                                              config_from_dict(best["config"])))
                         sec_g = (sp["gate_up_us"] + sp["down_us"]) * 1e-6
                         sp["hbm_fraction_gemms_only"] = weight_bytes / sec_g / c["hbm_bytes_per_s"]
                         sp["bf16_peak_fraction_gemms_only"] = flops / sec_g / c["bf16_flops_per_s"]
@@ -310,20 +316,181 @@ def stage_times(torch, do_bench, x, ids, w, e2s, wts, sh, cfg):
         del g
         return v
 
-    slot32, sid, bsl, npad = M.align_by_slot(ids, e2s, sh["S"], cfg.block_m)
     cdt = M._compute_dtype(x.dtype, wts["w13"].dtype)
+    none = torch.full_like(ids, -1)
+    if isinstance(cfg, M.DirectConfig):
+        e32 = e2s.to(torch.int32)
+        hb = M.direct_gate_up(x, wts["w13"], wts.get("w13_scale"), ids, e32, cfg, cdt)
+        out = torch.empty_like(x)
+        return dict(
+            align_us=0.0, combine_us=0.0,
+            gate_up_us=t_us(lambda: M.direct_gate_up(x, wts["w13"], wts.get("w13_scale"), ids, e32, cfg, cdt)),
+            down_us=t_us(lambda: M.direct_down(hb, wts["w2"], wts.get("w2_scale"), w, ids, e32, out, cfg)),
+            floor_us=t_us(lambda: fused_moe(x, none, w, e2s, **wts, config=cfg)))
+    slot32, sid, bsl, npad = M.align_by_slot(ids, e2s, sh["S"], cfg.block_m)
     programs = M._PROGRAMS_PER_SM * M._num_sms(torch.cuda.current_device())
     hb = M.gate_up(x, wts["w13"], wts.get("w13_scale"), sid, bsl, npad, sh["K"], cfg, cdt, programs)
-    yy = M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg, programs)
+    yy = M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg.for_down(), programs)
     out = torch.empty_like(x)
-    none = torch.full_like(ids, -1)
     return dict(
         align_us=t_us(lambda: M.align_by_slot(ids, e2s, sh["S"], cfg.block_m)),
         gate_up_us=t_us(lambda: M.gate_up(x, wts["w13"], wts.get("w13_scale"), sid, bsl, npad, sh["K"], cfg,
                                           cdt, programs)),
-        down_us=t_us(lambda: M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg, programs)),
+        down_us=t_us(lambda: M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg.for_down(),
+                                    programs)),
         combine_us=t_us(lambda: M.combine(yy, slot32, out)),
         floor_us=t_us(lambda: fused_moe(x, none, w, e2s, **wts, config=cfg)))
+
+
+# ----------------------------------------------------------------------------- tune: stages apart
+
+# Direct path: gate+up (block_n, block_k, num_warps, num_stages), down (down_block_n, down_block_k,
+# down_num_warps). Sorted path, per block_m: gate+up and down each (block_n, block_k, group_m,
+# num_warps, num_stages).
+DIRECT_GU = [(16, 256, 4, 3), (16, 128, 4, 4), (32, 256, 4, 3), (16, 512, 4, 2), (16, 256, 8, 3),
+             (32, 128, 4, 4), (16, 128, 2, 4), (64, 128, 4, 3)]
+DIRECT_DOWN = [(16, 1024, 4), (8, 1024, 4), (32, 1024, 8), (16, 512, 4), (4, 1024, 2), (8, 512, 2),
+               (16, 2048, 8), (32, 512, 4)]
+SORTED_GU = [(64, 64, 8, 4, 4), (64, 64, 8, 8, 4), (128, 64, 8, 8, 3), (128, 64, 8, 8, 4), (64, 128, 8, 4, 3),
+             (64, 128, 8, 8, 3), (128, 32, 8, 8, 4), (32, 64, 8, 4, 4)]
+SORTED_DOWN = [(128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (64, 128, 8, 4, 4),
+               (256, 128, 8, 8, 2), (128, 32, 8, 4, 5), (64, 64, 8, 4, 4)]
+TUNE_CASES = ([("qwen3-30b-a3b", d, t) for d in ("bf16", "int8") for t in (1, 7, 4096)]
+              + [("qwen3-30b-a3b", "bf16", 512)] + [("mixtral-8x7b", "bf16", t) for t in (1, 7)])
+TUNE_BM = {512: (64,), 4096: (64, 128)}
+
+
+def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda"):
+    """Sweep each kernel of a path alone, combine the best, and time it against the shipped table's
+    config (interleaved rounds). Returns table entries {shape key: {T: config dict}} that beat it."""
+    from dataclasses import replace
+
+    from kt.gpu_ops import DirectConfig, MoEConfig, fused_moe, pick_config
+    from kt.gpu_ops import moe as M
+    from kt.gpu_ops.configs import DIRECT_MAX_N, config_from_dict
+
+    def t_us(fn):
+        g, _ = graph_of(torch, fn)
+        v = do_bench(g.replay, warmup=5, rep=20, return_mode="median") * 1e3
+        del g
+        return v
+
+    def sweep(label, fn, cands):
+        rows = []
+        for c in cands:
+            if time.time() > deadline:
+                break
+            try:
+                rows.append(dict(cand=list(c), us=t_us(lambda: fn(c))))
+            except Exception as e:
+                rows.append(dict(cand=list(c), error=repr(e)[:200]))
+        ok = [r for r in rows if "us" in r]
+        log(f"  {label}: " + ", ".join(f"{r['cand']} {r['us']:.1f}" for r in ok))
+        return rows, (min(ok, key=lambda r: r["us"]) if ok else None)
+
+    found = {}
+    for name, dtype, t in TUNE_CASES:
+        if time.time() > deadline:
+            log("tune: time budget reached")
+            break
+        sh = SHAPES[name]
+        key = shape_key_of(sh, dtype)
+        e2s = make_e2s(torch, sh, dev, 1)
+        wts, (w13f, w2f) = make_weights(torch, sh, dtype, dev, 2)
+        gx = torch.Generator(device=dev).manual_seed(3 + t)
+        x = torch.randn(t, sh["H"], device=dev, generator=gx).to(torch.bfloat16)
+        ids, w = make_routing(torch, sh, t, e2s, dev, 4 + t)
+        ref = ref_gpu(torch, x, ids, w, e2s, w13f, w2f)
+        slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
+        touched = int(torch.unique(slots[slots >= 0]).numel())
+        gpu_rows = int((slots >= 0).sum())
+        w_bytes = touched * sum(v[0].numel() * v.element_size() for v in wts.values())
+        flops = 2 * gpu_rows * 3 * sh["H"] * sh["I"]
+        cdt = M._compute_dtype(x.dtype, wts["w13"].dtype)
+        s13, s2 = wts.get("w13_scale"), wts.get("w2_scale")
+        entry = dict(shape=name, dtype=dtype, T=t, touched_slots=touched, gpu_token_slots=gpu_rows,
+                     weight_bytes_touched=w_bytes, gemm_flops=flops)
+        log(f"tune {name} {dtype} T={t}")
+        if t * sh["K"] <= DIRECT_MAX_N:
+            e32 = e2s.to(torch.int32)
+            base = pick_config(t, sh["K"], sh["S"], sh["H"], sh["I"], dtype)
+            hb = M.direct_gate_up(x, wts["w13"], s13, ids, e32, base, cdt)
+            out = torch.empty_like(x)
+            gu_rows, gu = sweep("gate+up", lambda c: M.direct_gate_up(
+                x, wts["w13"], s13, ids, e32, replace(base, block_n=c[0], block_k=c[1], num_warps=c[2],
+                                                      num_stages=c[3]), cdt), DIRECT_GU)
+            dn_rows, dn = sweep("down", lambda c: M.direct_down(
+                hb, wts["w2"], s2, w, ids, e32, out, replace(base, down_block_n=c[0], down_block_k=c[1],
+                                                             down_num_warps=c[2])), DIRECT_DOWN)
+            entry.update(gate_up_sweep=gu_rows, down_sweep=dn_rows)
+            if not (gu and dn):
+                res.data.setdefault("tune", []).append(entry)
+                continue
+            tuned = DirectConfig(block_n=gu["cand"][0], block_k=gu["cand"][1], num_warps=gu["cand"][2],
+                                 num_stages=gu["cand"][3], down_block_n=dn["cand"][0], down_block_k=dn["cand"][1],
+                                 down_num_warps=dn["cand"][2])
+        else:
+            per_bm = {}
+            programs = (M._INTERPRETER_PROGRAMS if dev == "cpu"
+                        else M._PROGRAMS_PER_SM * M._num_sms(torch.cuda.current_device()))
+            for bm in TUNE_BM[t]:
+                slot32, sid, bsl, npad = M.align_by_slot(ids, e2s, sh["S"], bm)
+                hb = M.gate_up(x, wts["w13"], s13, sid, bsl, npad, sh["K"], MoEConfig(block_m=bm), cdt, programs)
+                gu_rows, gu = sweep(f"bm {bm} gate+up", lambda c: M.gate_up(
+                    x, wts["w13"], s13, sid, bsl, npad, sh["K"], MoEConfig(bm, *c), cdt, programs), SORTED_GU)
+                dn_rows, dn = sweep(f"bm {bm} down", lambda c: M.down(
+                    hb, wts["w2"], s2, w, sid, bsl, npad, MoEConfig(bm, *c), programs), SORTED_DOWN)
+                if gu and dn:
+                    per_bm[bm] = dict(gate_up_sweep=gu_rows, down_sweep=dn_rows, gu=gu, dn=dn,
+                                      est_us=gu["us"] + dn["us"])
+            entry["per_block_m"] = {str(k): v for k, v in per_bm.items()}
+            if not per_bm:
+                res.data.setdefault("tune", []).append(entry)
+                continue
+            bm, b = min(per_bm.items(), key=lambda kv: kv[1]["est_us"])
+            g, d = b["gu"]["cand"], b["dn"]["cand"]
+            tuned = MoEConfig(bm, *g, down_block_n=d[0], down_block_k=d[1], down_group_m=d[2],
+                              down_num_warps=d[3], down_num_stages=d[4])
+        # ---- the tuned pair vs the shipped table's config (and the old sorted config at decode T)
+        variants = {"tuned": tuned,
+                    "shipped": pick_config(t, sh["K"], sh["S"], sh["H"], sh["I"], dtype, shipped)}
+        old = (shipped.get(key) or {}).get(str(t))
+        if old and old.get("path") != "direct" and not isinstance(variants["shipped"], MoEConfig):
+            variants["sorted_shipped"] = config_from_dict(old)
+        graphs, cmp = {}, {}
+        for vn, cfg in variants.items():
+            o = fused_moe(x, ids, w, e2s, **wts, config=cfg)
+            err = R.relative_error(o, ref)
+            cmp[vn] = dict(config=cfg.to_dict(), rel_err=err, us=[])
+            if err <= 1e-2:
+                graphs[vn] = graph_of(torch, lambda: fused_moe(x, ids, w, e2s, **wts, config=cfg))[0]
+        for _ in range(3):
+            for vn, g in graphs.items():
+                cmp[vn]["us"].append(do_bench(g.replay, warmup=5, rep=30, return_mode="median") * 1e3)
+        c = res.data["ceilings"]
+        for vn, r in cmp.items():
+            if r["us"]:
+                r["min_us"], r["median_us"] = min(r["us"]), sorted(r["us"])[len(r["us"]) // 2]
+                r["hbm_fraction"] = w_bytes / (r["min_us"] * 1e-6) / c["hbm_bytes_per_s"]
+                r["bf16_peak_fraction"] = flops / (r["min_us"] * 1e-6) / c["bf16_flops_per_s"]
+        entry["compare"] = cmp
+        del graphs
+        log("  " + "; ".join(f"{vn} {r.get('min_us', float('nan')):.1f} us (err {r['rel_err']:.1e}, HBM "
+                             f"{r.get('hbm_fraction', float('nan')) * 100:.0f} %, peak "
+                             f"{r.get('bf16_peak_fraction', float('nan')) * 100:.1f} %)" for vn, r in cmp.items()))
+        if cmp["tuned"].get("min_us", 1e30) < cmp["shipped"].get("min_us", 1e30) or "sorted_shipped" in cmp:
+            if cmp["tuned"].get("min_us") is not None:
+                found.setdefault(key, {})[str(t)] = tuned.to_dict()
+        res.data.setdefault("tune", []).append(entry)
+        res.save()
+        del wts, w13f, w2f
+        if dev != "cpu":
+            torch.cuda.empty_cache()
+    return found
+
+
+def shape_key_of(sh, dtype):
+    return f"H{sh['H']}_I{sh['I']}_{dtype}"
 
 
 # ----------------------------------------------------------------------------- stream sync
@@ -479,6 +646,8 @@ def main():
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop tuning after this many seconds")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: ceilings,moe,sync")
+    ap.add_argument("--tune", action="store_true", help="run the per-stage tuning part (writes h200_tuned.json)")
+    ap.add_argument("--tune-budget-s", type=float, default=300.0, help="stop the tuning part after this long")
     args = ap.parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -519,6 +688,21 @@ def main():
                                  "S=4 for mixtral); key H{H}_I{I}_{weight dtype}, then T.")
             with open(os.path.join(args.out, "h200.json"), "w") as f:
                 json.dump(table, f, indent=1, sort_keys=True)
+    if args.tune:
+        from kt.gpu_ops.configs import load_table
+
+        shipped = load_table("h200")
+        found = part_tune(torch, R, res, do_bench, time.time() + args.tune_budget_s, shipped)
+        res.save()
+        if args.out:
+            merged = {k: dict(v) for k, v in shipped.items()}
+            for k, v in found.items():
+                merged.setdefault(k, {}).update(v)
+            merged["_comment"] = ("Tuned on an H200 by benchmarks/bench_gpu.py (S=32 slots for qwen3-30b-a3b, "
+                                  "S=4 for mixtral); key H{H}_I{I}_{weight dtype}, then T; entries with "
+                                  "\"path\": \"direct\" are the direct path's (T*K <= DIRECT_MAX_N).")
+            with open(os.path.join(args.out, "h200_tuned.json"), "w") as f:
+                json.dump(merged, f, indent=1, sort_keys=True)
     if "sync" not in skip:
         part_stream_sync(torch, res)
     res.data["wall_s"] = time.time() - t_start

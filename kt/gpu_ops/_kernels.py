@@ -269,3 +269,110 @@ def align_small_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, cursor_ptr, block
     tl.debug_barrier()
     for n0 in range(0, N, BLOCK):
         _scatter_chunk(slot_ptr, cursor_ptr, sorted_ids_ptr, n0 + tl.arange(0, BLOCK), N, BLOCK)
+
+
+# ----------------------------------------------------------------------------- direct path (decode)
+# For few token-slots (N <= a few dozen) the sorted path's fixed cost (an alignment launch, a combine
+# launch and a fp32 [N, H] round trip) is most of the time. The direct path is two launches: gate+up
+# with one program per (slot, column block) that finds its own token-slots by scanning all N ids, and
+# down with one program per (token, column block) that sums the token's GPU experts in k order (the
+# combine folded in; the order is fixed, so the result is deterministic).
+
+@triton.jit
+def gate_up_scan_kernel(
+    x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, e2s_ptr,
+    N, E, H, I, top_k,
+    stride_xt, stride_xh,
+    stride_we, stride_wn, stride_wh,
+    stride_se, stride_sn,
+    stride_hm, stride_hi,
+    NP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """h[n, :] = silu(gate_s x_t) * (up_s x_t) for the token-slots n = t*K + k routed to slot
+    s = program_id(0); program_id(1) picks BLOCK_N columns. NP >= N (a power of two >= 16): all ids are
+    read at once and the slot's rows form one masked [NP, BLOCK_K] tile, so each weight tile is read
+    once however many tokens share the slot. A program whose slot has no token-slot does nothing.
+    Shapes and dtypes as gate_up_kernel; ids [N] int, e2s [E] int32."""
+    slot = tl.program_id(0)
+    offs_p = tl.arange(0, NP)
+    p_in = offs_p < N
+    e = tl.load(ids_ptr + offs_p, mask=p_in, other=-1).to(tl.int32)
+    e_ok = p_in & (e >= 0) & (e < E)
+    sl = tl.load(e2s_ptr + tl.where(e_ok, e, 0), mask=e_ok, other=-1)
+    mine = e_ok & (sl == slot)
+    if tl.sum(mine.to(tl.int32), 0) > 0:
+        tok = tl.where(mine, offs_p // top_k, 0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        slot64 = slot.to(tl.int64)
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+        g_ptrs = w13_ptr + slot64 * stride_we + offs_nc[None, :] * stride_wn + offs_k[:, None] * stride_wh
+        u_ptrs = g_ptrs + I * stride_wn
+        acc_g = tl.zeros((NP, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((NP, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(H, BLOCK_K)):
+            k_mask = offs_k < H - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=mine[:, None] & k_mask[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
+            a = _cast(a, CT, UPCAST)
+            acc_g = tl.dot(a, _cast(bg, CT, UPCAST), acc_g)
+            acc_u = tl.dot(a, _cast(bu, CT, UPCAST), acc_u)
+            a_ptrs += BLOCK_K * stride_xh
+            g_ptrs += BLOCK_K * stride_wh
+            u_ptrs += BLOCK_K * stride_wh
+        if INT8_W:
+            sg = tl.load(s13_ptr + slot64 * stride_se + offs_nc * stride_sn)
+            su = tl.load(s13_ptr + slot64 * stride_se + (offs_nc + I) * stride_sn)
+            acc_g = acc_g * sg[None, :]
+            acc_u = acc_u * su[None, :]
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h_ptrs = h_ptr + tl.where(mine, offs_p, 0).to(tl.int64)[:, None] * stride_hm + offs_nc[None, :] * stride_hi
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mine[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def down_tokens_kernel(
+    h_ptr, w2_ptr, s2_ptr, out_ptr, topk_w_ptr, ids_ptr, e2s_ptr,
+    E, S, H, I,
+    stride_hm, stride_hi,
+    stride_we, stride_wn, stride_wi,
+    stride_se, stride_sn,
+    stride_ot, stride_oh,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8_W: tl.constexpr,
+):
+    """out[t, cols] = sum over k (in order) with a GPU slot s of topk_w[t, k] * (w2_s @ h[t*K + k])[cols]
+    for t = program_id(0), cols = BLOCK_N columns picked by program_id(1); fp32 sums, out in its dtype
+    (zeros for a token with no GPU expert). The k loop is unrolled and predicated, so the loads of all
+    K experts are in flight together. h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only). Products are
+    formed in fp32 from the exact h and weight values (bf16 x bf16 products are exact in fp32)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        n = t * TOP_K + k
+        e = tl.load(ids_ptr + n).to(tl.int32)
+        e_ok = (e >= 0) & (e < E)
+        s = tl.load(e2s_ptr + tl.where(e_ok, e, 0))
+        on = e_ok & (s >= 0) & (s < S)
+        on_n = n_mask & ((offs_n * 0 + on.to(tl.int32)) > 0)  # block-shaped (see combine_kernel)
+        s64 = tl.where(on, s, 0).to(tl.int64)
+        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(I, BLOCK_K)):
+            k_mask = (offs_k < I - kb * BLOCK_K) & ((offs_k * 0 + on.to(tl.int32)) > 0)
+            hv = tl.load(h_ptr + n * stride_hm + (kb * BLOCK_K + offs_k) * stride_hi, mask=k_mask, other=0.0)
+            wv = tl.load(w2_ptr + s64 * stride_we + offs_nc[:, None] * stride_wn
+                         + (kb * BLOCK_K + offs_k)[None, :] * stride_wi,
+                         mask=on_n[:, None] & k_mask[None, :], other=0.0)
+            part += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], 1)
+        if INT8_W:
+            part = part * tl.load(s2_ptr + s64 * stride_se + offs_nc * stride_sn, mask=on_n, other=0.0)
+        rw = tl.load(topk_w_ptr + n)
+        acc += tl.where(on_n, part * rw, 0.0)
+    tl.store(out_ptr + t * stride_ot + offs_nc * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=n_mask)

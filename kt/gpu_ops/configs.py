@@ -1,8 +1,13 @@
 """Launch configs of the fused-MoE kernels: a frozen dataclass, a pure heuristic, and tuned JSON tables.
 
+Two paths (see kt/gpu_ops/moe.py): the sorted path (`MoEConfig`: token-slots sorted by slot into row
+blocks, grouped GEMMs, a combine) and, for few token-slots (N = T*K <= DIRECT_MAX_N), the direct path
+(`DirectConfig`: two launches, no sorting, the combine folded into the down GEMM).
+
 A tuned table (kt/gpu_ops/configs/<gpu>.json, written by benchmarks/bench_gpu.py) maps a shape key
-``"H{H}_I{I}_{wdtype}"`` to ``{"<T>": {config fields}}``; `pick_config` uses the entry whose T is the
-nearest at or above the call's T (else the largest), and the heuristic when the shape has no entry.
+``"H{H}_I{I}_{wdtype}"`` to ``{"<T>": {config fields}}`` (a direct-path entry has ``"path": "direct"``);
+`pick_config` uses the entry of the call's path whose T is the nearest at or above the call's T (else the
+largest), and the heuristic when there is none.
 """
 from __future__ import annotations
 
@@ -11,7 +16,10 @@ from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["MoEConfig", "pick_config", "shape_key", "table_name", "load_table"]
+__all__ = ["MoEConfig", "DirectConfig", "DIRECT_MAX_N", "pick_config", "config_from_dict", "shape_key",
+           "table_name", "load_table"]
+
+DIRECT_MAX_N = 64  # token-slots (T*K) up to which the direct path is the default
 
 _TABLE_DIR = Path(__file__).with_name("configs")
 
@@ -20,13 +28,29 @@ def _pow2(v: int) -> bool:
     return isinstance(v, int) and v > 0 and (v & (v - 1)) == 0
 
 
+def _check_pow2(cls, obj, names, low):
+    for f in names:
+        v = getattr(obj, f)
+        if not _pow2(v) or v < low:
+            raise ValueError(f"{cls}.{f} must be a power of two >= {low}, got {v!r}")
+
+
+def _check_launch(cls, warps, stages, wname="num_warps", sname="num_stages"):
+    if not _pow2(warps) or warps > 16:
+        raise ValueError(f"{cls}.{wname} must be 1, 2, 4, 8 or 16, got {warps!r}")
+    if not isinstance(stages, int) or not 1 <= stages <= 8:
+        raise ValueError(f"{cls}.{sname} must be in [1, 8], got {stages!r}")
+
+
 @dataclass(frozen=True)
 class MoEConfig:
-    """Tile sizes and launch parameters, shared by the gate+up and the down kernel.
+    """Sorted path: tile sizes and launch parameters of the gate+up and the down kernel.
 
-    block_m rows of sorted token-slots per program (also the alignment of each slot's rows),
-    block_n output columns, block_k reduction depth per step; group_m row blocks walk the columns
-    together (L2 reuse of weight tiles); num_warps / num_stages as in Triton.
+    block_m rows of sorted token-slots per program (also the alignment of each slot's rows, so both
+    kernels share it), block_n output columns, block_k reduction depth per step; group_m row blocks walk
+    the columns together (L2 reuse of weight tiles); num_warps / num_stages as in Triton. The down_*
+    fields, when set, replace the matching field for the down kernel only (its K = I is often short and
+    its N = H wide, so its best tiles differ).
     """
 
     block_m: int = 64
@@ -35,29 +59,89 @@ class MoEConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    down_block_n: int | None = None
+    down_block_k: int | None = None
+    down_group_m: int | None = None
+    down_num_warps: int | None = None
+    down_num_stages: int | None = None
 
     def __post_init__(self):
-        for f in ("block_m", "block_n", "block_k"):
+        _check_pow2("MoEConfig", self, ("block_m", "block_n", "block_k"), 16)
+        _check_pow2("MoEConfig", self, [f for f in ("down_block_n", "down_block_k")
+                                        if getattr(self, f) is not None], 16)
+        for f in ("group_m", "down_group_m"):
             v = getattr(self, f)
-            if not _pow2(v) or v < 16:
-                raise ValueError(f"MoEConfig.{f} must be a power of two >= 16, got {v!r}")
-        if not isinstance(self.group_m, int) or self.group_m < 1:
-            raise ValueError(f"MoEConfig.group_m must be a positive int, got {self.group_m!r}")
-        if not _pow2(self.num_warps) or self.num_warps > 16:
-            raise ValueError(f"MoEConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"MoEConfig.num_stages must be in [1, 8], got {self.num_stages!r}")
+            if (v is not None or f == "group_m") and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"MoEConfig.{f} must be a positive int, got {v!r}")
+        _check_launch("MoEConfig", self.num_warps, self.num_stages)
+        if self.down_num_warps is not None or self.down_num_stages is not None:
+            _check_launch("MoEConfig", self.num_warps if self.down_num_warps is None else self.down_num_warps,
+                          self.num_stages if self.down_num_stages is None else self.down_num_stages,
+                          "down_num_warps", "down_num_stages")
+
+    def for_down(self) -> "MoEConfig":
+        """The config the down kernel runs with (down_* fields applied)."""
+        own = {}
+        for f in ("block_n", "block_k", "group_m", "num_warps", "num_stages"):
+            v = getattr(self, "down_" + f)
+            own[f] = getattr(self, f) if v is None else v
+        return MoEConfig(block_m=self.block_m, **own)
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"MoEConfig: unknown fields {sorted(unknown)}; expected a subset of {sorted(names)}")
-        return cls(**d)
+        return cls(**_known_fields(cls, d))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class DirectConfig:
+    """Direct path (few token-slots): launch parameters of its two kernels.
+
+    gate+up: one program per (slot, block_n columns of gate and of up), block_k reduction depth per
+    step, num_warps / num_stages. down: one program per (token, down_block_n columns of H), reading
+    down_block_k of I per step, down_num_warps.
+    """
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    down_block_n: int = 16
+    down_block_k: int = 1024
+    down_num_warps: int = 4
+
+    def __post_init__(self):
+        _check_pow2("DirectConfig", self, ("block_n", "block_k", "down_block_k"), 16)
+        _check_pow2("DirectConfig", self, ("down_block_n",), 1)
+        _check_launch("DirectConfig", self.num_warps, self.num_stages)
+        _check_launch("DirectConfig", self.down_num_warps, 1, "down_num_warps")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DirectConfig":
+        d = dict(d)
+        if d.pop("path", "direct") != "direct":
+            raise ValueError(f"DirectConfig.from_dict: not a direct-path entry: {d}")
+        return cls(**_known_fields(cls, d))
+
+    def to_dict(self) -> dict:
+        return {"path": "direct", **asdict(self)}
+
+
+def _known_fields(cls, d: dict) -> dict:
+    names = {f.name for f in fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}; expected a subset of {sorted(names)}")
+    return d
+
+
+def config_from_dict(d: dict) -> "MoEConfig | DirectConfig":
+    """A table entry or a saved config: a DirectConfig if it says ``"path": "direct"``, else a MoEConfig."""
+    if not isinstance(d, dict):
+        raise ValueError(f"config_from_dict: expected a dict, got {type(d).__name__}")
+    return DirectConfig.from_dict(d) if d.get("path") == "direct" else MoEConfig.from_dict(d)
 
 
 def shape_key(hidden: int, inter: int, weight_dtype: str) -> str:
@@ -84,9 +168,17 @@ def _heuristic(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: 
     return MoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
 
 
+def _direct_heuristic(hidden: int, inter: int) -> DirectConfig:
+    # Memory bound: narrow column blocks for many programs in flight; down reads a whole I row per
+    # step when I is short (one load per expert, all K experts' loads issued together).
+    return DirectConfig(block_n=16, block_k=256, num_warps=4, num_stages=3, down_block_n=16,
+                        down_block_k=min(1024, max(16, 1 << (max(inter, 1) - 1).bit_length())), down_num_warps=4)
+
+
 def pick_config(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: int,
-                weight_dtype: str, table: dict | None = None) -> MoEConfig:
-    """The launch config for one call (pure: same arguments, same answer).
+                weight_dtype: str, table: dict | None = None) -> "MoEConfig | DirectConfig":
+    """The launch config for one call (pure: same arguments, same answer): a DirectConfig when
+    T*K <= DIRECT_MAX_N, else a MoEConfig.
 
     num_tokens T, top_k K, num_slots S (GPU experts), hidden H, inter I, weight_dtype 'bf16' /
     'fp16' / 'fp32' / 'int8'; table: a loaded tuned table (see `load_table`) or None.
@@ -97,12 +189,16 @@ def pick_config(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter:
             raise ValueError(f"pick_config: {name} must be a non-negative int, got {v!r}")
     if weight_dtype not in ("bf16", "fp16", "fp32", "int8"):
         raise ValueError(f"pick_config: weight_dtype must be 'bf16', 'fp16', 'fp32' or 'int8', got {weight_dtype!r}")
-    entries = (table or {}).get(shape_key(hidden, inter, weight_dtype))
+    direct = num_tokens * top_k <= DIRECT_MAX_N
+    entries = {t: e for t, e in ((table or {}).get(shape_key(hidden, inter, weight_dtype)) or {}).items()
+               if (e.get("path") == "direct") == direct}
     if entries:
         ts = sorted(int(t) for t in entries)
         at_or_above = [t for t in ts if t >= num_tokens]
         t = at_or_above[0] if at_or_above else ts[-1]
-        return MoEConfig.from_dict(entries[str(t)])
+        return config_from_dict(entries[str(t)])
+    if direct:
+        return _direct_heuristic(hidden, inter)
     return _heuristic(num_tokens, top_k, num_slots, hidden, inter, weight_dtype)
 
 

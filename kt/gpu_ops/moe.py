@@ -1,6 +1,13 @@
 """Fused MoE over the GPU-resident ("hot") experts: check, allocate, pick the config, launch.
 
 Legend: T tokens, E experts, K top-k, H hidden, I intermediate, S GPU expert slots, N = T*K.
+Two paths, chosen by the config (default: `pick_config`):
+- sorted (`MoEConfig`): align token-slots by slot into row blocks, grouped gate+up GEMM, grouped down
+  GEMM into fp32 rows, combine: five launches (three for decode-sized N), for any T;
+- direct (`DirectConfig`, the default for N <= DIRECT_MAX_N): gate+up programs that find their slot's
+  token-slots themselves, then a down GEMV per token that sums its experts: two launches, no sort and
+  no fp32 [N, H] round trip, which at decode sizes were most of the time.
+
 Everything runs on the caller's current stream with no host synchronisation (no .item(), no .cpu(),
 no data-dependent shapes), so a call can be captured in a CUDA graph. Under TRITON_INTERPRET=1 the
 same kernels run on CPU tensors (slowly; for tests).
@@ -11,9 +18,10 @@ from functools import lru_cache
 
 import torch
 
-from .configs import MoEConfig, load_table, pick_config, table_name
+from .configs import DirectConfig, MoEConfig, load_table, pick_config, table_name
 
-__all__ = ["fused_moe", "align_by_slot", "gate_up", "down", "combine", "kernels_interpreted"]
+__all__ = ["fused_moe", "align_by_slot", "gate_up", "down", "combine", "direct_gate_up", "direct_down",
+           "kernels_interpreted"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -160,7 +168,7 @@ def _compute_dtype(x_dtype, w_dtype):
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               expert_to_slot: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              config: MoEConfig | None = None) -> torch.Tensor:
+              config: MoEConfig | DirectConfig | None = None) -> torch.Tensor:
     """The MoE output of the GPU-resident experts, on the caller's current stream.
 
     x [T, H] bf16/fp16/fp32; topk_ids [T, K] int (-1 = skip); topk_weights [T, K] float;
@@ -172,15 +180,16 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     out[t] = sum over k with a GPU slot s of topk_weights[t, k] * w2[s] @ (silu(gate_s x_t) * up_s x_t),
     with fp32 accumulation; the SiLU*up intermediate is rounded to the compute dtype (the weights'
     float dtype, or x's for int8 weights) before the down GEMM. A token with no GPU expert gets zeros.
-    config: a MoEConfig to force; default from the tuned table for this GPU, else the heuristic.
+    config: a MoEConfig (sorted path) or DirectConfig (direct path) to force; default from the tuned
+    table for this GPU, else the heuristic. Both paths compute the same sums (in other orders).
     """
     t, h, s, inter = _check(x, topk_ids, topk_weights, expert_to_slot, w13, w2, w13_scale, w2_scale)
     k = topk_ids.shape[1]
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0 or h == 0:
         return out
-    if config is not None and not isinstance(config, MoEConfig):
-        raise TypeError(f"fused_moe: config must be a MoEConfig, got {type(config).__name__}")
+    if config is not None and not isinstance(config, (MoEConfig, DirectConfig)):
+        raise TypeError(f"fused_moe: config must be a MoEConfig or DirectConfig, got {type(config).__name__}")
     kern = _kernels()
     interp = kernels_interpreted()
     if x.device.type == "cpu" and not interp:
@@ -194,13 +203,19 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         config = pick_config(t, k, s, h, inter, _WNAME[w13.dtype], table)
     if s == 0 or inter == 0 or k == 0:
         return out.zero_()
+    cdt = _compute_dtype(x.dtype, w13.dtype)
+    if isinstance(config, DirectConfig):
+        ids = topk_ids.contiguous()
+        e2s = expert_to_slot.to(torch.int32)
+        hbuf = direct_gate_up(x, w13, w13_scale, ids, e2s, config, cdt)
+        direct_down(hbuf, w2, w2_scale, topk_weights, ids, e2s, out, config)
+        return out
 
     slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s,
                                                                config.block_m)
-    cdt = _compute_dtype(x.dtype, w13.dtype)
     programs = _INTERPRETER_PROGRAMS if interp else _PROGRAMS_PER_SM * _num_sms(_dev_index(x.device))
     hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs)
-    y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs)
+    y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config.for_down(), programs)
     combine(y, slot32, out)
     return out
 
@@ -237,7 +252,8 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
 
 
 def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs):
-    """y [N, H] fp32 = topk_weight * (w2 @ h) per GPU token-slot (other rows left unwritten)."""
+    """y [N, H] fp32 = topk_weight * (w2 @ h) per GPU token-slot (other rows left unwritten).
+    config: the down kernel's own (MoEConfig.for_down())."""
     kern = _kernels()
     n, inter = hbuf.shape
     h = w2.shape[1]
@@ -266,3 +282,51 @@ def combine(y, slot32, out):
     kern.combine_kernel[(t, -(-h // block_h))](
         y, slot32, out, h, k, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
         BLOCK_H=block_h, num_warps=4)
+
+
+def _np2(n: int) -> int:
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype):
+    """Direct path: h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left
+    unwritten). One program per (slot, column block); all N ids are scanned by each program."""
+    kern = _kernels()
+    t, top_k = topk_ids.shape
+    n = t * top_k
+    s, two_i, hid = w13.shape
+    inter = two_i // 2
+    int8w = w13.dtype == torch.int8
+    xc = x.contiguous()
+    hbuf = torch.empty((n, inter), dtype=compute_dtype, device=x.device)
+    s13 = w13_scale if int8w else w13
+    s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
+    kern.gate_up_scan_kernel[(s, -(-inter // config.block_n))](
+        xc, w13, s13, hbuf, topk_ids, e2s,
+        n, e2s.numel(), hid, inter, top_k,
+        xc.stride(0), xc.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        *s13_strides, hbuf.stride(0), hbuf.stride(1),
+        NP=_np2(n), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        INT8_W=int8w, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return hbuf
+
+
+def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
+    """Direct path: out [T, H] = sum over k of topk_weight * (w2 @ h) over the token's GPU experts, in k
+    order (fp32); zeros for a token with no GPU expert. One program per (token, column block)."""
+    kern = _kernels()
+    t, top_k = topk_ids.shape
+    s, hid, inter = w2.shape
+    int8w = w2.dtype == torch.int8
+    rw = topk_weights.reshape(t * top_k).to(torch.float32).contiguous()
+    s2 = w2_scale if int8w else w2
+    s2_strides = (s2.stride(0), s2.stride(1)) if int8w else (0, 0)
+    kern.down_tokens_kernel[(t, -(-hid // config.down_block_n))](
+        hbuf, w2, s2, out, rw, topk_ids, e2s,
+        e2s.numel(), s, hid, inter,
+        hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        *s2_strides, out.stride(0), out.stride(1),
+        TOP_K=top_k, BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, INT8_W=int8w,
+        num_warps=config.down_num_warps)
+    return out

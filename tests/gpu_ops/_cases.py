@@ -72,7 +72,8 @@ def fused_case(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac=0.1, conf
 
 
 def _fused_check(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac, config):
-    from kt.gpu_ops import MoEConfig, fused_moe
+    from kt.gpu_ops import fused_moe
+    from kt.gpu_ops.configs import config_from_dict
 
     gen = torch.Generator().manual_seed(seed)
     e2s = torch.tensor(e2s_list, dtype=torch.int32)
@@ -94,7 +95,7 @@ def _fused_check(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac, config
         ref_w13, ref_w2 = R.to_numpy_f32(w13d), R.to_numpy_f32(w2d)
         tol = 1.2e-2 if dtype == "bf16" else (1e-5 if device == "cpu" else GPU_F32_TOL)
     if config is not None:
-        kw["config"] = MoEConfig(**config)
+        kw["config"] = config_from_dict(config)
     full13, full2, skip = full_weights(e2s, ref_w13, ref_w2)
     ref = R.moe_forward(xd, ids, w, full13, full2, skip_mask=skip)
     out = fused_moe(xd.to(device), ids.to(device), w.to(device), e2s.to(device), w13d.to(device),

@@ -3,17 +3,18 @@ import json
 
 import pytest
 
-from kt.gpu_ops.configs import MoEConfig, load_table, pick_config, shape_key, table_name
+from kt.gpu_ops.configs import (DIRECT_MAX_N, DirectConfig, MoEConfig, config_from_dict, load_table, pick_config,
+                                shape_key, table_name)
 
 
 def test_heuristic_regimes():
-    # Decode (few rows per slot): smallest row block; prefill: large tiles.
-    small = pick_config(1, 8, 32, 2048, 768, "bf16")
+    # Few rows per slot (just above the direct path's limit): smallest row block; prefill: large tiles.
+    small = pick_config(DIRECT_MAX_N // 8 + 1, 8, 32, 2048, 768, "bf16")
     large = pick_config(4096, 8, 32, 2048, 768, "bf16")
     assert small.block_m == 16 and large.block_m >= 64
     assert large.block_m * large.block_n > small.block_m * small.block_n
     # Monotone in T: block_m never shrinks as T grows.
-    ms = [pick_config(t, 8, 32, 2048, 768, "bf16").block_m for t in (1, 4, 16, 64, 256, 1024, 4096)]
+    ms = [pick_config(t, 8, 32, 2048, 768, "bf16").block_m for t in (16, 64, 256, 1024, 4096)]
     assert ms == sorted(ms)
 
 
@@ -26,12 +27,17 @@ def test_pick_config_is_pure():
 def test_table_lookup_nearest_at_or_above():
     cfg16 = dict(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
     cfg128 = dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-    table = {shape_key(2048, 768, "bf16"): {"16": cfg16, "128": cfg128}}
-    assert pick_config(1, 8, 32, 2048, 768, "bf16", table) == MoEConfig(**cfg16)
+    direct = dict(path="direct", block_n=32, block_k=128, down_block_n=8)
+    table = {shape_key(2048, 768, "bf16"): {"16": cfg16, "128": cfg128, "4": direct}}
+    assert pick_config(9, 8, 32, 2048, 768, "bf16", table) == MoEConfig(**cfg16)
     assert pick_config(17, 8, 32, 2048, 768, "bf16", table) == MoEConfig(**cfg128)
     assert pick_config(9999, 8, 32, 2048, 768, "bf16", table) == MoEConfig(**cfg128)
+    # Decode-sized calls take the direct entries only (nearest at or above, else the largest).
+    assert pick_config(1, 8, 32, 2048, 768, "bf16", table) == DirectConfig(block_n=32, block_k=128, down_block_n=8)
+    assert pick_config(8, 8, 32, 2048, 768, "bf16", table) == DirectConfig(block_n=32, block_k=128, down_block_n=8)
     # Another shape or dtype falls back to the heuristic.
     assert pick_config(1, 8, 32, 2048, 768, "int8", table) == pick_config(1, 8, 32, 2048, 768, "int8")
+    assert pick_config(9, 8, 32, 2048, 768, "int8", table) == pick_config(9, 8, 32, 2048, 768, "int8")
 
 
 def test_shipped_tables_are_valid():
@@ -41,7 +47,7 @@ def test_shipped_tables_are_valid():
             assert key.startswith("H") and "_I" in key, key
             for t, cfg in entries.items():
                 assert int(t) >= 1
-                MoEConfig.from_dict(cfg)
+                config_from_dict(cfg)
 
 
 def test_table_name():
@@ -61,6 +67,41 @@ def test_table_name():
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         MoEConfig(**bad)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(down_block_n=48), "down_block_n must be a power of two"),
+    (dict(down_num_warps=3), "down_num_warps"),
+    (dict(down_num_stages=9), "down_num_stages"),
+    (dict(down_group_m=0), "down_group_m"),
+])
+def test_down_config_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**bad)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(block_n=8), "block_n must be a power of two >= 16"),
+    (dict(down_block_n=3), "down_block_n must be a power of two >= 1"),
+    (dict(down_block_k=8), "down_block_k"),
+    (dict(num_stages=0), "num_stages"),
+    (dict(down_num_warps=32), "down_num_warps"),
+])
+def test_direct_config_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        DirectConfig(**bad)
+
+
+def test_down_fields_and_round_trips():
+    c = MoEConfig(block_m=128, block_n=64, down_block_n=128, down_num_warps=8)
+    d = c.for_down()
+    assert (d.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages) == (128, 128, 64, 8, 3)
+    assert MoEConfig().for_down() == MoEConfig()
+    assert config_from_dict(c.to_dict()) == c and "down_block_k" not in c.to_dict()
+    dc = DirectConfig(block_n=32, down_block_n=4)
+    assert config_from_dict(json.loads(json.dumps(dc.to_dict()))) == dc
+    with pytest.raises(ValueError, match="unknown fields"):
+        config_from_dict({"path": "direct", "block_m": 16})
 
 
 def test_bad_arguments():

@@ -39,6 +39,40 @@ def test_forced_config_edges(run_case):
     run_case(_cases.fused_case, 7, 8, 2, 64, 32, E2S_A, "fp32", 11, 0.0, cfg)
 
 
+SORTED_SMALL = dict(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("t,k,h,i,e2s,dtype", [
+    (1, 2, 64, 32, E2S_A, "fp32"),
+    (7, 4, 128, 96, E2S_B, "bf16"),
+    (3, 3, 64, 96, E2S_A, "int8"),
+])
+def test_sorted_path_at_decode_sizes(run_case, t, k, h, i, e2s, dtype):
+    # Decode-sized calls take the direct path by default; the sorted path must stay right there too.
+    run_case(_cases.fused_case, t, 8, k, h, i, e2s, dtype, 300 + t + k, 0.1, SORTED_SMALL)
+
+
+@pytest.mark.parametrize("cfg,t,k,h,i,dtype", [
+    # block_k > H and block_n > I (masked tails), a down row read in several steps (down_block_k < I),
+    # one column per down program, N = T*K = 64 (the default's limit), an odd K.
+    (dict(block_n=64, block_k=128, down_block_n=1, down_block_k=16), 5, 3, 64, 48, "fp32"),
+    (dict(block_n=16, block_k=32, down_block_n=8, down_block_k=32), 16, 4, 96, 80, "fp32"),
+    (dict(block_n=16, block_k=32, down_block_n=32, down_block_k=64, num_stages=1), 9, 7, 64, 32, "int8"),
+    (dict(), 1, 8, 128, 64, "bf16"),
+])
+def test_direct_path_configs(run_case, cfg, t, k, h, i, dtype):
+    run_case(_cases.fused_case, t, 8, k, h, i, E2S_A, dtype, 400 + t + k, 0.1, dict(path="direct", **cfg))
+
+
+def test_direct_path_is_the_decode_default():
+    from kt.gpu_ops import DirectConfig, MoEConfig, pick_config
+    from kt.gpu_ops.configs import DIRECT_MAX_N
+
+    assert isinstance(pick_config(1, 8, 32, 2048, 768, "bf16"), DirectConfig)
+    assert isinstance(pick_config(DIRECT_MAX_N // 8, 8, 32, 2048, 768, "int8"), DirectConfig)
+    assert isinstance(pick_config(DIRECT_MAX_N // 8 + 1, 8, 32, 2048, 768, "bf16"), MoEConfig)
+
+
 def test_expert_without_tokens(run_case):
     # Every token goes to experts 0 and 1 only: the slots of experts 2..7 get nothing.
     ids = [[0, 1] if j % 2 else [1, 0] for j in range(9)]
@@ -130,6 +164,6 @@ def test_bad_int8_scales():
 
 def test_bad_config():
     a = _args()
-    with pytest.raises(TypeError, match="config must be a MoEConfig"):
+    with pytest.raises(TypeError, match="config must be a MoEConfig or DirectConfig"):
         fused_moe(a["x"], a["topk_ids"], a["topk_weights"], a["expert_to_slot"], a["w13"], a["w2"],
                   config={"block_m": 16})
