@@ -301,12 +301,18 @@ def main(argv=None):
                 for L in fine:
                     L.blocks_per_task = (bpt, bpt)
                 vars_[f"bpt{bpt}"] = fine
+            # phase-by-phase decode (before the pipelined order: all-thread barriers between
+            # gate+up, act and down)
+            nopipe = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
+            for L in nopipe:
+                L.pipelined_decode = False
+            vars_["nopipe"] = nopipe
             if a.variant_names:
                 keep = set(a.variant_names.split(",")) | {"default"}
                 vars_ = {n: v for n, v in vars_.items() if n in keep}
             for T in a.variant_T:
                 # the fixed fine decode tasks only mean something at decode-sized T
-                vt = {n: v for n, v in vars_.items() if T <= 64 or not n.startswith("bpt")}
+                vt = {n: v for n, v in vars_.items() if T <= 64 or not (n.startswith("bpt") or n == "nopipe")}
                 res = interleaved(vt, T, 6 if T >= 512 else (100 if T <= 8 else 20), rng, a.shape)
                 for n, v in res.items():
                     rows.append({"part": "variants", "scheme": sname, "T": T, "variant": n, **v})

@@ -23,6 +23,12 @@ rows are split over the threads, in prefill whole experts are handed out dynamic
 task is a whole expert ("fused", prefill), a phase-2 task runs the expert's gate+up, activations
 and down back to back (its rows stay in that core's caches) and phases 3 and 4 have no tasks; a
 chunk of at most TOKEN_BLOCK tokens is quantised by the plan task (one barrier less in decode).
+Pipelined decode (desc[S_PIPE] != 0, tasks split within experts and every expert's activations small,
+<= PIPE_ACT_MAX elements): phase 2 lists the gate+up tasks and then the down tasks, and phases 3 and
+4 have none; the participant finishing an expert's last gate+up task computes its activations and
+marks it ready (per-expert words in A_DEP), and a down task waits only for its own expert. Two
+all-thread barriers (and the waits of threads idle behind the slowest gate+up and act tasks) go,
+and down tasks stream weights while other experts' gate+up tasks are still running.
 
 The GEMM micro-kernels (kt/cpu_ops/README.md contract) reach this code as addresses of their
 compiled entry points in the descriptor (``icall8``/``icall5``: an indirect call, so their IR is
@@ -53,7 +59,8 @@ A_X, A_OUT, A_IDS, A_TW, A_MASK = 0, 1, 2, 3, 4
 A_W13D, A_W13S, A_W13W, A_W2D, A_W2S, A_W2W = 5, 6, 7, 8, 9, 10
 A_POS, A_OFFS, A_ORDER, A_T13, A_T2 = 11, 12, 13, 14, 15
 A_XG, A_XS, A_GU, A_HQ, A_HS, A_Y, A_ACC = 16, 17, 18, 19, 20, 21, 22
-N_SLOTS = 23
+A_DEP = 23  # int64 [E * DEP_STRIDE]: per expert, gate+up tasks left and "activations ready"
+N_SLOTS = 24
 S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 200, 201, 202, 203, 204, 205, 206, 207
 S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 208, 209, 210, 211, 212, 213
 D_KV13, D_KM13, D_KV2, D_KM2 = 214, 215, 216, 217  # kernel entry points (kernel_address)
@@ -62,7 +69,8 @@ S_PROF = 221  # address of an int64 [nth, PHASES, 2] profile (busy, waiting cycl
 S_LEVELS = 222  # activation rows per (token, slot): 1, or 2 for two-level int8 ("int8x2")
 S_GATE, S_DONE = 223, 224  # stream-gated job: int32 "start" / "done" flag addresses (0 = none)
 S_RESULT = 225  # a gated job's own int64 [RESULT_WORDS] result (see R_*), its handle's to read
-DESC_WORDS = 226  # the words above (a layer's template covers them all)
+S_PIPE = 226  # 1: pipelined decode allowed (see the module docstring)
+DESC_WORDS = 227  # the words above (a layer's template covers them all)
 R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
 RESULT_WORDS = 5
 
@@ -71,6 +79,8 @@ PHASE_WORDS = 3 * CTRL_STRIDE  # claim, done, ntasks: one line each
 TOKEN_BLOCK = 8   # tokens per quantise / combine task
 ROW_BLOCK = 8     # gathered rows per activation task
 TASKS_PER_THREAD = 4
+DEP_STRIDE = 8    # one cache line of A_DEP per expert: [0] gate+up tasks left, [1] ready
+PIPE_ACT_MAX = 8192  # pipelined decode only if every expert's activations (rows x I) are this small
 
 
 # words after the phases of the last chunk (a gated job's): gate open, finishers, ids outside
@@ -243,7 +253,7 @@ def _put_slot(desc, slot, a):
 
 @njit(cache=True)
 def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13,
-             bpt2, levels, prof, gate, done, result):
+             bpt2, levels, prof, gate, done, result, pipe):
     """Write the per-call words of ``desc``: the array slots (x, out, ids, tw, mask) and the call's
     scalars (one jitted call instead of five numpy ``.ctypes`` look-ups and ~15 item stores)."""
     _put_slot(desc, A_X, x)
@@ -265,6 +275,7 @@ def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_
     desc[S_GATE] = gate
     desc[S_DONE] = done
     desc[S_RESULT] = result
+    desc[S_PIPE] = pipe
 
 
 @njit(cache=True)
@@ -404,6 +415,29 @@ def _wait_phase(jctrl, base, n):
         i += 1
         spin_relax(i, 1024)
     return atomic_load(jctrl, JOB_ABORT) == 0
+
+
+@njit(nogil=True, cache=True)
+def _wait_ready(jctrl, dep, e):
+    """Pipelined decode: spin until expert e's activations are ready; False if the job was aborted."""
+    i = 0
+    while atomic_load(dep, e * DEP_STRIDE + 1) == 0:
+        if atomic_load(jctrl, JOB_ABORT) != 0:
+            return False
+        i += 1
+        spin_relax(i, 1024)
+    return True
+
+
+@njit(nogil=True, cache=True)
+def _arm_pipeline(dep, tasks13, n13):
+    """Per-expert words of a pipelined chunk: gate+up tasks left = the expert's task count, not ready."""
+    for j in range(n13):
+        e = tasks13[j, 0]
+        dep[e * DEP_STRIDE] = 0
+        dep[e * DEP_STRIDE + 1] = 0
+    for j in range(n13):
+        dep[tasks13[j, 0] * DEP_STRIDE] += 1
 
 
 # ----------------------------------------------------------------------------- stream gate
@@ -617,6 +651,7 @@ def moe_job(nth, jctrl, desc):
     hs = _arr1(desc, A_HS, np.float32)
     y = _arr2(desc, A_Y, np.float32)
     acc = _arr2(desc, A_ACC, np.float32)[me]
+    dep = _arr1(desc, A_DEP, np.int64)
     nb13 = desc[A_W13D * SLOT + 2]
     nb2 = desc[A_W2D * SLOT + 2]
     R = desc[S_LEVELS]
@@ -654,15 +689,21 @@ def moe_job(nth, jctrl, desc):
                             _quantise_tokens(x32, t0, t0, t1, pos, H, xg, xs, acc, bf16, R)
                         nq = 0
                     jctrl[base + PHASE_WORDS + 2 * CTRL_STRIDE] = nq
-                    jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13
+                    pipe = (desc[S_PIPE] != 0 and not fused and rows > 0
+                            and (offs[order[0] + 1] - offs[order[0]]) * I <= PIPE_ACT_MAX)
+                    if pipe:
+                        _arm_pipeline(dep, tasks13, n13)
+                    # pipelined: phase 2 runs the down tasks too, after the gate+up tasks
+                    jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13 + n2 if pipe else n13
+                    jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = n13  # beside ntasks
                     # fused: each gate+up task is a whole expert and also runs its activations
                     # and its down GEMM (hq stays in the task's cache; no down phase)
-                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused else n2
+                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused or pipe else n2
                     # fused: the gate+up tasks compute the activations; else one task per row
                     # block (single rows when there are few, so decode's rows spread over threads)
                     rb = (ROW_BLOCK if rows >= ROW_BLOCK * R * nth else 1) * R
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = rb  # beside ntasks
-                    jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused else (rows + rb - 1) // rb
+                    jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused or pipe else (rows + rb - 1) // rb
                     jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
                 elif ph == 1:
                     ta = t0 + i * TOKEN_BLOCK
@@ -672,15 +713,46 @@ def moe_job(nth, jctrl, desc):
                     else:
                         _quantise_tokens(x32, t0, ta, tb, pos, H, xg, xs, acc, bf16, R)
                 elif ph == 2 or ph == 4:
-                    tasks = tasks13 if ph == 2 else tasks2
-                    e = tasks[i, 0]
+                    which = 0 if ph == 2 else 1
+                    j = i
+                    n13c = jctrl[base + 2 * CTRL_STRIDE + 1]
+                    if ph == 2 and i >= n13c:  # pipelined decode: a down task
+                        which = 1
+                        j = i - n13c
+                    tasks = tasks13 if which == 0 else tasks2
+                    e = tasks[j, 0]
                     r0 = offs[e]
                     r1 = offs[e + 1]
-                    nb0 = np.int64(tasks[i, 1])
-                    nb1 = np.int64(tasks[i, 2])
-                    _gemm_task(desc, scheme, 0 if ph == 2 else 1, e, r0, r1, nb0, nb1,
-                               r1 - r0 <= gemv_max * R)
-                    if ph == 2 and nb0 == 0 and nb1 == nb13:
+                    nb0 = np.int64(tasks[j, 1])
+                    nb1 = np.int64(tasks[j, 2])
+                    if ph == 2 and which == 1:
+                        if pa != 0:
+                            c_w = cycles()
+                            prof[2, 0] += c_w - tc
+                        ok = _wait_ready(jctrl, dep, e)
+                        if pa != 0:
+                            tc = cycles()
+                            prof[4, 1] += tc - c_w
+                        if not ok:
+                            return
+                    _gemm_task(desc, scheme, which, e, r0, r1, nb0, nb1, r1 - r0 <= gemv_max * R)
+                    if ph == 2 and which == 1:
+                        if pa != 0:  # book the down task under phase 4
+                            c_end = cycles()
+                            prof[4, 0] += c_end - tc
+                            tc = c_end
+                    elif ph == 2 and n > n13c and atomic_add(dep, e * DEP_STRIDE, -1) == 1:
+                        # pipelined decode: the expert's last gate+up task computes its
+                        # activations and releases its down tasks
+                        if pa != 0:
+                            c_act = cycles()
+                            prof[2, 0] += c_act - tc
+                        _act_rows(gu, r0, r1, I, up_off, hq, hs, acc, bf16, R)
+                        atomic_store(dep, e * DEP_STRIDE + 1, 1)
+                        if pa != 0:
+                            tc = cycles()
+                            prof[3, 0] += tc - c_act
+                    if ph == 2 and which == 0 and nb0 == 0 and nb1 == nb13:
                         # a whole expert (the plan's "fused"): its activations and down GEMM now,
                         # while gu's and hq's rows are in this core's cache. A profile books
                         # them under phases 3 and 4 (which have no tasks of their own here).

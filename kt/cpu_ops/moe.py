@@ -301,6 +301,9 @@ class CPUMoE:
         # 16-row blocks per (expert, rows) task of the gate+up and down phases; 0 = the driver's
         # heuristic (_moe_driver._blocks_per_task). A tuning knob, not needed for correctness.
         self.blocks_per_task = (0, 0)
+        # Decode's down tasks wait per expert instead of behind all-thread barriers
+        # (_moe_driver's "pipelined decode"). A tuning knob, not needed for correctness.
+        self.pipelined_decode = True
         self._all_cpu = np.ones(E, np.uint8)
         self._prof: np.ndarray | None = None  # set by profile(): [threads, phases, 2] cycles
         self._wdesc = self._weight_desc()
@@ -433,6 +436,7 @@ class CPUMoE:
             drv.A_Y: pool.scratch("moe.y", rows_cap * n2, np.float32).reshape(rows_cap, n2),
             drv.A_ACC: pool.scratch("moe.acc", pool.num_threads * hacc,
                                     np.float32).reshape(pool.num_threads, hacc),
+            drv.A_DEP: pool.scratch("moe.dep", E * drv.DEP_STRIDE, np.int64),
         }
         d = self._wdesc.copy()
         d[drv.S_K] = K
@@ -620,7 +624,7 @@ class CPUMoE:
             drv.put_call(desc, xs, os_, is_, ws, mask, T, C, nch, int(bool(incremental)),
                          int(xkind == "bf16"), int(okind == "bf16"), self.gemv_max, bpt13, bpt2,
                          self.levels, 0 if prof is None else prof.ctypes.data, start, done,
-                         0 if words is None else words.ctypes.data)
+                         0 if words is None else words.ctypes.data, int(self.pipelined_decode))
             return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self, words))
 
         return launch
