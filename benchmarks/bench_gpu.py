@@ -347,10 +347,11 @@ def stage_times(torch, do_bench, x, ids, w, e2s, wts, sh, cfg):
 # Direct path: gate+up (block_n, block_k, num_warps, num_stages), down (down_block_n, down_block_k,
 # down_num_warps). Sorted path, per block_m: gate+up and down each (block_n, block_k, group_m,
 # num_warps, num_stages).
-DIRECT_GU = [(16, 256, 4, 3), (16, 128, 4, 4), (32, 256, 4, 3), (16, 512, 4, 2), (16, 256, 8, 3),
-             (32, 128, 4, 4), (16, 128, 2, 4), (64, 128, 4, 3)]
-DIRECT_DOWN = [(16, 1024, 4), (8, 1024, 4), (32, 1024, 8), (16, 512, 4), (4, 1024, 2), (8, 512, 2),
-               (16, 2048, 8), (32, 512, 4)]
+DIRECT_GU = [("scan", 32, 256, 4, 3), ("scan", 32, 128, 4, 4), ("scan", 64, 128, 4, 3),
+             ("pairs", 4, 512, 4, 1), ("pairs", 8, 512, 4, 1), ("pairs", 8, 256, 4, 3), ("pairs", 4, 1024, 4, 1),
+             ("pairs", 2, 1024, 2, 1), ("pairs", 16, 256, 4, 3), ("pairs", 8, 1024, 8, 1), ("pairs", 4, 2048, 8, 1)]
+DIRECT_DOWN = [(16, 1024, 4), (8, 1024, 4), (4, 1024, 2), (8, 512, 2), (2, 1024, 2), (4, 512, 4), (4, 1024, 4),
+               (16, 2048, 8)]
 SORTED_GU = [(64, 64, 8, 4, 4), (64, 64, 8, 8, 4), (128, 64, 8, 8, 3), (128, 64, 8, 8, 4), (64, 128, 8, 4, 3),
              (64, 128, 8, 8, 3), (128, 32, 8, 8, 4), (32, 64, 8, 4, 4)]
 SORTED_DOWN = [(128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (64, 128, 8, 4, 4),
@@ -417,8 +418,8 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda"):
             hb = M.direct_gate_up(x, wts["w13"], s13, ids, e32, base, cdt)
             out = torch.empty_like(x)
             gu_rows, gu = sweep("gate+up", lambda c: M.direct_gate_up(
-                x, wts["w13"], s13, ids, e32, replace(base, block_n=c[0], block_k=c[1], num_warps=c[2],
-                                                      num_stages=c[3]), cdt), DIRECT_GU)
+                x, wts["w13"], s13, ids, e32, replace(base, gate_up=c[0], block_n=c[1], block_k=c[2],
+                                                      num_warps=c[3], num_stages=c[4]), cdt), DIRECT_GU)
             dn_rows, dn = sweep("down", lambda c: M.direct_down(
                 hb, wts["w2"], s2, w, ids, e32, out, replace(base, down_block_n=c[0], down_block_k=c[1],
                                                              down_num_warps=c[2])), DIRECT_DOWN)
@@ -426,9 +427,9 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda"):
             if not (gu and dn):
                 res.data.setdefault("tune", []).append(entry)
                 continue
-            tuned = DirectConfig(block_n=gu["cand"][0], block_k=gu["cand"][1], num_warps=gu["cand"][2],
-                                 num_stages=gu["cand"][3], down_block_n=dn["cand"][0], down_block_k=dn["cand"][1],
-                                 down_num_warps=dn["cand"][2])
+            tuned = DirectConfig(gate_up=gu["cand"][0], block_n=gu["cand"][1], block_k=gu["cand"][2],
+                                 num_warps=gu["cand"][3], num_stages=gu["cand"][4], down_block_n=dn["cand"][0],
+                                 down_block_k=dn["cand"][1], down_num_warps=dn["cand"][2])
         else:
             per_bm = {}
             programs = (M._INTERPRETER_PROGRAMS if dev == "cpu"
@@ -648,6 +649,7 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of parts to skip: ceilings,moe,sync")
     ap.add_argument("--tune", action="store_true", help="run the per-stage tuning part (writes h200_tuned.json)")
     ap.add_argument("--tune-budget-s", type=float, default=300.0, help="stop the tuning part after this long")
+    ap.add_argument("--tune-T", default="", help="comma list: tune only these T (default: all of TUNE_CASES)")
     args = ap.parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -692,6 +694,10 @@ def main():
         from kt.gpu_ops.configs import load_table
 
         shipped = load_table("h200")
+        if args.tune_T:
+            keep_t = {int(v) for v in args.tune_T.split(",")}
+            global TUNE_CASES
+            TUNE_CASES = [c for c in TUNE_CASES if c[2] in keep_t]
         found = part_tune(torch, R, res, do_bench, time.time() + args.tune_budget_s, shipped)
         res.save()
         if args.out:

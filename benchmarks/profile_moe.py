@@ -301,6 +301,12 @@ def main(argv=None):
                 for L in fine:
                     L.blocks_per_task = (bpt, bpt)
                 vars_[f"bpt{bpt}"] = fine
+            # finer down tasks only (the tail of a pipelined decode step is its last down tasks)
+            for bpt in (4, 8):
+                fine = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
+                for L in fine:
+                    L.blocks_per_task = (0, bpt)
+                vars_[f"d{bpt}"] = fine
             # phase-by-phase decode (before the pipelined order: all-thread barriers between
             # gate+up, act and down)
             nopipe = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
@@ -312,7 +318,7 @@ def main(argv=None):
                 vars_ = {n: v for n, v in vars_.items() if n in keep}
             for T in a.variant_T:
                 # the fixed fine decode tasks only mean something at decode-sized T
-                vt = {n: v for n, v in vars_.items() if T <= 64 or not (n.startswith("bpt") or n == "nopipe")}
+                vt = {n: v for n, v in vars_.items() if T <= 64 or not (n.startswith("bpt") or n in ("nopipe", "d4", "d8"))}
                 res = interleaved(vt, T, 6 if T >= 512 else (100 if T <= 8 else 20), rng, a.shape)
                 for n, v in res.items():
                     rows.append({"part": "variants", "scheme": sname, "T": T, "variant": n, **v})

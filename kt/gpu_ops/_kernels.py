@@ -335,6 +335,54 @@ def gate_up_scan_kernel(
 
 
 @triton.jit
+def gate_up_pairs_kernel(
+    x_ptr, w13_ptr, s13_ptr, h_ptr, ids_ptr, e2s_ptr,
+    E, S, H, I, top_k,
+    stride_xt, stride_xh,
+    stride_we, stride_wn, stride_wh,
+    stride_se, stride_sn,
+    stride_hm, stride_hi,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """h[n, cols] = silu(gate_s x_t) * (up_s x_t) for token-slot n = program_id(0) (if on the GPU) and
+    BLOCK_N columns picked by program_id(1), as a GEMV: any BLOCK_N (no tensor-core minimum), so a
+    decode step has enough programs in flight to pull HBM bandwidth. Token-slots sharing a slot read
+    its rows again (from L2: their programs run side by side). Products in fp32 of the values the
+    compute dtype gives (exact for bf16/int8)."""
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + n).to(tl.int32)
+    e_ok = (e >= 0) & (e < E)
+    s = tl.load(e2s_ptr + tl.where(e_ok, e, 0))
+    if e_ok & (s >= 0) & (s < S):
+        t = n // top_k
+        s64 = s.to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        g_ptrs = w13_ptr + s64 * stride_we + offs_nc[:, None] * stride_wn + offs_k[None, :] * stride_wh
+        u_ptrs = g_ptrs + I * stride_wn
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(H, BLOCK_K)):
+            k_mask = offs_k < H - kb * BLOCK_K
+            xv = tl.load(x_ptr + t * stride_xt + (kb * BLOCK_K + offs_k) * stride_xh, mask=k_mask, other=0.0)
+            xv = _cast(xv, CT, UPCAST).to(tl.float32)
+            g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0)
+            acc_g += tl.sum(_cast(g, CT, UPCAST).to(tl.float32) * xv[None, :], 1)
+            acc_u += tl.sum(_cast(u, CT, UPCAST).to(tl.float32) * xv[None, :], 1)
+            g_ptrs += BLOCK_K * stride_wh
+            u_ptrs += BLOCK_K * stride_wh
+        if INT8_W:
+            acc_g = acc_g * tl.load(s13_ptr + s64 * stride_se + offs_nc * stride_sn)
+            acc_u = acc_u * tl.load(s13_ptr + s64 * stride_se + (offs_nc + I) * stride_sn)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + n * stride_hm + offs_nc * stride_hi, h.to(h_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
 def down_tokens_kernel(
     h_ptr, w2_ptr, s2_ptr, out_ptr, topk_w_ptr, ids_ptr, e2s_ptr,
     E, S, H, I,
@@ -342,30 +390,40 @@ def down_tokens_kernel(
     stride_we, stride_wn, stride_wi,
     stride_se, stride_sn,
     stride_ot, stride_oh,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8_W: tl.constexpr,
+    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INT8_W: tl.constexpr,
 ):
     """out[t, cols] = sum over k (in order) with a GPU slot s of topk_w[t, k] * (w2_s @ h[t*K + k])[cols]
     for t = program_id(0), cols = BLOCK_N columns picked by program_id(1); fp32 sums, out in its dtype
-    (zeros for a token with no GPU expert). The k loop is unrolled and predicated, so the loads of all
-    K experts are in flight together. h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only). Products are
-    formed in fp32 from the exact h and weight values (bf16 x bf16 products are exact in fp32)."""
+    (zeros for a token with no GPU expert). The token's K ids, slots and weights are read as vectors
+    up front (KP = next power of two >= K) and the k loop is unrolled and predicated, so the weight
+    loads of all K experts go out together instead of behind K chains of dependent id/slot loads.
+    h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only). Products are formed in fp32 from the exact h
+    and weight values (bf16 x bf16 products are exact in fp32)."""
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
+    kk = tl.arange(0, KP)
+    kk_in = kk < TOP_K
+    ev = tl.load(ids_ptr + t * TOP_K + kk, mask=kk_in, other=-1).to(tl.int32)
+    e_ok = kk_in & (ev >= 0) & (ev < E)
+    sv = tl.load(e2s_ptr + tl.where(e_ok, ev, 0), mask=e_ok, other=-1)
+    on_v = e_ok & (sv >= 0) & (sv < S)
+    rwv = tl.load(topk_w_ptr + t * TOP_K + kk, mask=on_v, other=0.0)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         n = t * TOP_K + k
-        e = tl.load(ids_ptr + n).to(tl.int32)
-        e_ok = (e >= 0) & (e < E)
-        s = tl.load(e2s_ptr + tl.where(e_ok, e, 0))
-        on = e_ok & (s >= 0) & (s < S)
-        on_n = n_mask & ((offs_n * 0 + on.to(tl.int32)) > 0)  # block-shaped (see combine_kernel)
-        s64 = tl.where(on, s, 0).to(tl.int64)
+        sel = kk == k
+        on = tl.sum(tl.where(sel & on_v, 1, 0), 0)
+        s64 = tl.sum(tl.where(sel & on_v, sv, 0), 0).to(tl.int64)
+        rw = tl.sum(tl.where(sel, rwv, 0.0), 0)
+        on_n = n_mask & ((offs_n * 0 + on) > 0)  # block-shaped (see combine_kernel)
+        on_k = (offs_k * 0 + on) > 0
         part = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for kb in range(0, tl.cdiv(I, BLOCK_K)):
-            k_mask = (offs_k < I - kb * BLOCK_K) & ((offs_k * 0 + on.to(tl.int32)) > 0)
+            k_mask = (offs_k < I - kb * BLOCK_K) & on_k
             hv = tl.load(h_ptr + n * stride_hm + (kb * BLOCK_K + offs_k) * stride_hi, mask=k_mask, other=0.0)
             wv = tl.load(w2_ptr + s64 * stride_we + offs_nc[:, None] * stride_wn
                          + (kb * BLOCK_K + offs_k)[None, :] * stride_wi,
@@ -373,6 +431,5 @@ def down_tokens_kernel(
             part += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], 1)
         if INT8_W:
             part = part * tl.load(s2_ptr + s64 * stride_se + offs_nc * stride_sn, mask=on_n, other=0.0)
-        rw = tl.load(topk_w_ptr + n)
         acc += tl.where(on_n, part * rw, 0.0)
     tl.store(out_ptr + t * stride_ot + offs_nc * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=n_mask)

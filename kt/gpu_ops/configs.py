@@ -99,11 +99,13 @@ class MoEConfig:
 class DirectConfig:
     """Direct path (few token-slots): launch parameters of its two kernels.
 
-    gate+up: one program per (slot, block_n columns of gate and of up), block_k reduction depth per
-    step, num_warps / num_stages. down: one program per (token, down_block_n columns of H), reading
-    down_block_k of I per step, down_num_warps.
+    gate+up: gate_up "scan" (one program per (slot, block_n columns of gate and of up), the slot's
+    rows as one tensor-core tile; block_n >= 16) or "pairs" (one GEMV program per (token-slot,
+    block_n columns)); block_k reduction depth per step, num_warps / num_stages. down: one program
+    per (token, down_block_n columns of H), reading down_block_k of I per step, down_num_warps.
     """
 
+    gate_up: str = "scan"
     block_n: int = 16
     block_k: int = 256
     num_warps: int = 4
@@ -113,7 +115,10 @@ class DirectConfig:
     down_num_warps: int = 4
 
     def __post_init__(self):
-        _check_pow2("DirectConfig", self, ("block_n", "block_k", "down_block_k"), 16)
+        if self.gate_up not in ("scan", "pairs"):
+            raise ValueError(f"DirectConfig.gate_up must be 'scan' or 'pairs', got {self.gate_up!r}")
+        _check_pow2("DirectConfig", self, ("block_k", "down_block_k"), 16)
+        _check_pow2("DirectConfig", self, ("block_n",), 16 if self.gate_up == "scan" else 1)
         _check_pow2("DirectConfig", self, ("down_block_n",), 1)
         _check_launch("DirectConfig", self.num_warps, self.num_stages)
         _check_launch("DirectConfig", self.down_num_warps, 1, "down_num_warps")

@@ -290,7 +290,8 @@ def _np2(n: int) -> int:
 
 def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype):
     """Direct path: h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left
-    unwritten). One program per (slot, column block); all N ids are scanned by each program."""
+    unwritten). config.gate_up "scan": one program per (slot, column block), each scanning all N ids
+    (a tensor-core tile of the slot's rows); "pairs": one GEMV program per (token-slot, column block)."""
     kern = _kernels()
     t, top_k = topk_ids.shape
     n = t * top_k
@@ -301,6 +302,16 @@ def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype):
     hbuf = torch.empty((n, inter), dtype=compute_dtype, device=x.device)
     s13 = w13_scale if int8w else w13
     s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
+    if config.gate_up == "pairs":
+        kern.gate_up_pairs_kernel[(n, -(-inter // config.block_n))](
+            xc, w13, s13, hbuf, topk_ids, e2s,
+            e2s.numel(), s, hid, inter, top_k,
+            xc.stride(0), xc.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+            *s13_strides, hbuf.stride(0), hbuf.stride(1),
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            INT8_W=int8w, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        return hbuf
     kern.gate_up_scan_kernel[(s, -(-inter // config.block_n))](
         xc, w13, s13, hbuf, topk_ids, e2s,
         n, e2s.numel(), hid, inter, top_k,
@@ -327,6 +338,6 @@ def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
         e2s.numel(), s, hid, inter,
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         *s2_strides, out.stride(0), out.stride(1),
-        TOP_K=top_k, BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, INT8_W=int8w,
+        TOP_K=top_k, KP=max(2, 1 << max(top_k - 1, 0).bit_length()), BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, INT8_W=int8w,
         num_warps=config.down_num_warps)
     return out

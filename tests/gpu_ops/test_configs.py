@@ -82,6 +82,8 @@ def test_down_config_validation(bad, match):
 
 @pytest.mark.parametrize("bad,match", [
     (dict(block_n=8), "block_n must be a power of two >= 16"),
+    (dict(gate_up="pairs", block_n=3), "block_n must be a power of two >= 1"),
+    (dict(gate_up="rows"), "gate_up must be 'scan' or 'pairs'"),
     (dict(down_block_n=3), "down_block_n must be a power of two >= 1"),
     (dict(down_block_k=8), "down_block_k"),
     (dict(num_stages=0), "num_stages"),
@@ -98,7 +100,8 @@ def test_down_fields_and_round_trips():
     assert (d.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages) == (128, 128, 64, 8, 3)
     assert MoEConfig().for_down() == MoEConfig()
     assert config_from_dict(c.to_dict()) == c and "down_block_k" not in c.to_dict()
-    dc = DirectConfig(block_n=32, down_block_n=4)
+    assert DirectConfig(gate_up="pairs", block_n=2).block_n == 2
+    dc = DirectConfig(gate_up="pairs", block_n=4, down_block_n=4)
     assert config_from_dict(json.loads(json.dumps(dc.to_dict()))) == dc
     with pytest.raises(ValueError, match="unknown fields"):
         config_from_dict({"path": "direct", "block_m": 16})
