@@ -273,3 +273,96 @@ def test_gated_result_survives_the_next_job(cpu):
     cpu(x2, ids2, w2)  # a plain call on the same pool: begins (and finishes) the next job first
     res = h.wait()
     assert res.opened and res.finished and res.bad_ids == 1 and res.error is None and res.seconds > 0
+
+
+# ----------------------------------------------------------------------------- eager publication
+# In eager mode the enqueueing thread publishes a gated job itself when nothing queued before it is
+# still unpublished. A helper thread plays the stream here, since publishing the next job waits for
+# the pool's current one (which needs its flag).
+
+def _play_stream(signals, delay=0.05):
+    """Set each signal's start in order (after a delay) and wait for its done, like the stream."""
+    done = []
+
+    def run():
+        for sig in signals:
+            time.sleep(delay)
+            sig.start()
+            ok = sig.wait_done() if isinstance(sig, FlagSignal) else sig.done.wait(10)
+            done.append(bool(ok))
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, done
+
+
+def test_eager_publication_from_the_enqueueing_thread(cpu):
+    from kt._stream_bridge import _Published
+
+    service, bridge = _Service(), Bridge(cpu)
+    chans, jobs = [], []
+    for i, t in enumerate((1, 6, 2)):
+        x, ids, w = _inputs(t, 40 + i)
+        ch = _gated_channel(x, ids, w)
+        chans.append((ch, x, ids, w))
+        jobs.append(_Job(bridge, ch, t, None))
+    seen = []
+
+    class Q:  # records what the enqueueing thread queued
+        def __init__(self, q):
+            self.q = q
+
+        def put(self, item):
+            seen.append(type(item))
+            self.q.put(item)
+
+        def get(self):
+            return self.q.get()
+
+    service._q = Q(service._q)
+    th, done = _play_stream([ch.signal for ch, *_ in chans])
+    for j in jobs:  # the 2nd and 3rd wait in publication for the job before them to finish
+        service.publish_or_submit(j)
+    th.join(30)
+    assert done == [True, True, True] and seen == [_Published] * 3 and service._unpublished == 0
+    for ch, x, ids, w in chans:
+        assert torch.equal(ch.h_out, cpu(x, ids, w))
+    t0 = time.monotonic()
+    while len(bridge.times) < 3 and time.monotonic() - t0 < 10:
+        time.sleep(1e-3)
+    assert [t for t, _, _ in bridge.times] == [1, 6, 2]
+    service.raise_pending()
+
+
+def test_eager_publication_waits_behind_a_queued_job(cpu):
+    # A polled job queued first (its signal has no flag addresses): the gated job after it must go
+    # through the queue too, or it would hold the pool while the polled job waits for it.
+    service, log, bridge = _Service(), [], Bridge(cpu)
+    x0, ids0, w0 = _inputs(3, 50)
+    polled = _channel(log, "polled", x0, ids0, w0)
+    x1, ids1, w1 = _inputs(2, 51)
+    gated = _gated_channel(x1, ids1, w1)
+    service.submit([_Job(bridge, polled, 3, None)])
+    service.publish_or_submit(_Job(bridge, gated, 2, None))  # must not block: it is only queued
+    assert service._unpublished == 2
+    th, done = _play_stream([polled.signal, gated.signal])
+    th.join(30)
+    assert done == [True, True]
+    assert torch.equal(polled.h_out, cpu(x0, ids0, w0)) and torch.equal(gated.h_out, cpu(x1, ids1, w1))
+    t0 = time.monotonic()
+    while service._unpublished and time.monotonic() - t0 < 10:
+        time.sleep(1e-3)
+    assert service._unpublished == 0
+    service.raise_pending()
+
+
+def test_eager_publication_that_raises_still_answers_the_stream(cpu):
+    service = _Service()
+    x, ids, w = _inputs(2, 52)
+    ch = _gated_channel(x, ids, w)
+    service.publish_or_submit(_Job(Bridge(cpu), ch, 2, np.zeros(E + 1, bool)))  # a wrong mask
+    th, done = _play_stream([ch.signal])
+    th.join(30)
+    assert done == [True] and torch.isnan(ch.h_out).all()
+    with pytest.raises(RuntimeError, match="gpu_mask must be"):
+        service.raise_pending()
