@@ -19,7 +19,11 @@ from pathlib import Path
 __all__ = ["MoEConfig", "DirectConfig", "DIRECT_MAX_N", "pick_config", "config_from_dict", "shape_key",
            "table_name", "load_table"]
 
-DIRECT_MAX_N = 64  # token-slots (T*K) up to which the direct path is the default
+# Token-slots (T*K) up to which the direct path is the default. H200 (session 5, results/gpu_s5_*):
+# at T=1 it beat the sorted path (qwen3 bf16 20.9 vs 26.8 us, int8 20.5 vs 24.7, mixtral 110 vs
+# 119); at T=7 it lost (qwen3 bf16 63 vs 47 us, mixtral 410 vs 345): its down GEMV re-reads an
+# expert's rows for every token that uses it.
+DIRECT_MAX_N = 8
 
 _TABLE_DIR = Path(__file__).with_name("configs")
 
@@ -174,10 +178,11 @@ def _heuristic(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: 
 
 
 def _direct_heuristic(hidden: int, inter: int) -> DirectConfig:
-    # Memory bound: narrow column blocks for many programs in flight; down reads a whole I row per
-    # step when I is short (one load per expert, all K experts' loads issued together).
-    return DirectConfig(block_n=16, block_k=256, num_warps=4, num_stages=3, down_block_n=16,
-                        down_block_k=min(1024, max(16, 1 << (max(inter, 1) - 1).bit_length())), down_num_warps=4)
+    # Memory bound: narrow GEMV column blocks for many programs in flight; down reads a whole I row
+    # per step when I is short (one load per expert, all K experts' loads issued together). The
+    # H200 sweep's winners at T=1 (bench_gpu --tune) shaped these.
+    return DirectConfig(gate_up="pairs", block_n=4, block_k=1024, num_warps=4, num_stages=1, down_block_n=2,
+                        down_block_k=min(1024, max(16, 1 << (max(inter, 1) - 1).bit_length())), down_num_warps=2)
 
 
 def pick_config(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: int,

@@ -34,7 +34,7 @@ def test_table_lookup_nearest_at_or_above():
     assert pick_config(9999, 8, 32, 2048, 768, "bf16", table) == MoEConfig(**cfg128)
     # Decode-sized calls take the direct entries only (nearest at or above, else the largest).
     assert pick_config(1, 8, 32, 2048, 768, "bf16", table) == DirectConfig(block_n=32, block_k=128, down_block_n=8)
-    assert pick_config(8, 8, 32, 2048, 768, "bf16", table) == DirectConfig(block_n=32, block_k=128, down_block_n=8)
+    assert pick_config(4, 2, 32, 2048, 768, "bf16", table) == DirectConfig(block_n=32, block_k=128, down_block_n=8)
     # Another shape or dtype falls back to the heuristic.
     assert pick_config(1, 8, 32, 2048, 768, "int8", table) == pick_config(1, 8, 32, 2048, 768, "int8")
     assert pick_config(9, 8, 32, 2048, 768, "int8", table) == pick_config(9, 8, 32, 2048, 768, "int8")
