@@ -90,11 +90,6 @@ def _unpacked(p):
 
 
 def section_overlap(cpu, dev, res, reps):
-    """Eager layer calls (one host sync each) vs max(CPU part alone, GPU part alone). At T <= 64 the
-    layer is also timed with the gated jobs published by the service thread instead of the
-    enqueueing thread (kt._stream_bridge.EAGER_PUBLISH off), in alternating rounds."""
-    from kt import _stream_bridge as sb
-
     gen = torch.Generator().manual_seed(1)
     rows = []
     for frac in (0.0, 0.25, 0.5, 1.0):
@@ -104,18 +99,6 @@ def section_overlap(cpu, dev, res, reps):
             x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
             ids, w = routing(t, E, K, gen, dev)
             hyb = timed(lambda: layer(x, ids, w), reps)
-            svc = None
-            if t <= 64 and frac < 1.0:
-                ons, offs = [hyb], []
-                for _ in range(2):
-                    sb.EAGER_PUBLISH = False
-                    try:
-                        offs.append(timed(lambda: layer(x, ids, w), reps))
-                    finally:
-                        sb.EAGER_PUBLISH = True
-                    ons.append(timed(lambda: layer(x, ids, w), reps))
-                hyb = (min(v[0] for v in ons), statistics.median([v[1] for v in ons]))
-                svc = (min(v[0] for v in offs), statistics.median([v[1] for v in offs]))
             # CPU part alone: the same CPU experts, inputs already on the host
             xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
             mask = row >= 0
@@ -131,12 +114,9 @@ def section_overlap(cpu, dev, res, reps):
             rows.append(dict(gpu_frac=frac, T=t, hybrid_min_ms=hyb[0] * 1e3, hybrid_med_ms=hyb[1] * 1e3,
                              cpu_alone_min_ms=cpu_alone[0] * 1e3, gpu_alone_min_ms=gpu_alone[0] * 1e3,
                              ratio_to_max=hyb[0] / bound if bound else None,
-                             target_ok=hyb[0] <= 1.15 * bound + 50e-6,
-                             service_published_min_ms=svc[0] * 1e3 if svc else None,
-                             service_published_med_ms=svc[1] * 1e3 if svc else None))
+                             target_ok=hyb[0] <= 1.15 * bound + 50e-6))
             print(f"overlap frac={frac:.2f} T={t:5d} hybrid {hyb[0]*1e3:8.3f} ms  cpu {cpu_alone[0]*1e3:8.3f}"
-                  f"  gpu {gpu_alone[0]*1e3:8.3f}  ratio {rows[-1]['ratio_to_max']}"
-                  + (f"  (service-published {svc[0]*1e3:.3f} ms)" if svc else ""), flush=True)
+                  f"  gpu {gpu_alone[0]*1e3:8.3f}  ratio {rows[-1]['ratio_to_max']}", flush=True)
     res["overlap"] = rows
 
 

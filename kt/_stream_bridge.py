@@ -5,13 +5,8 @@ For each call the stream copies the inputs into pinned host buffers and then wri
 order and, for each, publishes the layer's job on the ``CPUMoE``'s pool *before* the flag is set
 (``CPUMoE.submit_gated``): the pool threads wait for the flag inside the job, compute, and the first
 one done clears "start" and sets "done", so no Python runs between the stream reaching the CPU part
-and the stream going on. The stream waits for "done" before it copies the result back. In eager
-mode the thread that enqueues the forward publishes the job itself (right after enqueueing the
-copies and the flag), when nothing earlier is still waiting in the service thread's queue to be
-published; the service thread then only collects the job's result. Before, the service thread had
-to take the GIL from the launching thread (busy with the GPU part's kernel launches) to publish,
-which cost 0.2-0.4 ms per layer at decode sizes. The enqueueing thread blocks only while the pool
-still runs the previous layer's job (whose flag is already on the stream). A call too large for one job (or a stand-in signal
+and the stream going on. The stream waits for "done" before it copies the result back. The host
+thread that enqueues a forward never blocks. A call too large for one job (or a stand-in signal
 without flag addresses, in tests) takes the polled path: the service thread waits for the flag,
 then calls the ``CPUMoE`` and sets "done" itself.
 
@@ -61,20 +56,6 @@ class _Job:
     gpu_mask: np.ndarray | None
 
 
-@dataclass
-class _Published:
-    """A gated job the enqueueing thread already published: the service thread collects it."""
-    job: _Job
-    handle: object
-
-
-@dataclass
-class _NotPublished:
-    """A gated job whose publication raised in the enqueueing thread."""
-    job: _Job
-    exc: BaseException
-
-
 class _Service:
     """One thread that runs stream-ordered CPU jobs in the order they were enqueued."""
 
@@ -83,59 +64,24 @@ class _Service:
         self._thread = None
         self._lock = threading.Lock()
         self.errors: list[BaseException] = []
-        # items queued that this thread must still publish itself (polled or gated _Jobs): while
-        # any is left, a later job must not be published ahead of it (the pool runs one job at a
-        # time, in publication order, and a job published out of stream order would wait forever)
-        self._unpublished = 0
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="kt-stream-cpu", daemon=True)
-            self._thread.start()
 
     def submit(self, jobs) -> None:
         with self._lock:
-            self._ensure_thread()
-            for j in jobs:
-                if isinstance(j, _Job):
-                    self._unpublished += 1
-                self._q.put(j)
-
-    def publish_or_submit(self, job: _Job) -> None:
-        """Eager calls: publish a gated job from this thread when nothing queued before it is
-        still unpublished, else queue it for the service thread as ``submit`` does."""
-        with self._lock:
-            self._ensure_thread()
-            if self._unpublished == 0 and EAGER_PUBLISH and _gated(job):
-                try:
-                    item = _Published(job, _submit_gated(job))
-                except BaseException as exc:  # nothing was published: the service answers the stream
-                    item = _NotPublished(job, exc)
-            else:
-                self._unpublished += 1
-                item = job
-            self._q.put(item)
-
-    def _published_one(self) -> None:
-        with self._lock:
-            self._unpublished -= 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="kt-stream-cpu", daemon=True)
+                self._thread.start()
+        for j in jobs:
+            self._q.put(j)
 
     def _run(self):
         while True:
             job = self._q.get()
             if job is None:
                 return
-            if isinstance(job, _Published):
-                self._collect_gated(job.job, job.handle)
-            elif isinstance(job, _NotPublished):
-                self._run_failed(job.job, job.exc, opened=False)
-            elif _gated(job):
+            if _gated(job):
                 self._run_gated(job)
             else:
-                try:
-                    self._run_polled(job)
-                finally:
-                    self._published_one()
+                self._run_polled(job)
 
     def _run_polled(self, job):
         ch = job.channel
@@ -155,19 +101,15 @@ class _Service:
     def _run_gated(self, job):
         """Publish the job before the stream sets "start"; this thread then joins it (and waits
         for the flag inside it, as the pool threads do)."""
+        ch, t = job.channel, job.t
+        sig = ch.signal
+        x, ids, w, out = (a[:t] for a in ch.np_views)
         try:
-            h = _submit_gated(job)
+            h = job.bridge.cpu.submit_gated(x, ids, w, out, sig.start_address, sig.done_address,
+                                            gpu_mask=job.gpu_mask)
         except BaseException as exc:  # nothing was published: answer the stream from here
             self._run_failed(job, exc, opened=False)
             return
-        finally:
-            self._published_one()
-        self._collect_gated(job, h)
-
-    def _collect_gated(self, job, h):
-        """Wait for a published gated job (joining it) and book its result."""
-        t = job.t
-        ids = job.channel.np_views[1]
         res = h.wait()
         if not res.finished:
             self._run_failed(job, res.error or RuntimeError("the CPU job was aborted"), res.opened)
@@ -207,14 +149,6 @@ class _Service:
 
 
 GATED = True  # benchmarks set False to time the polled path against the gated one
-EAGER_PUBLISH = True  # benchmarks set False to time publication by the service thread
-
-
-def _submit_gated(job: _Job):
-    ch, t = job.channel, job.t
-    x, ids, w, out = (a[:t] for a in ch.np_views)
-    return job.bridge.cpu.submit_gated(x, ids, w, out, ch.signal.start_address, ch.signal.done_address,
-                                       gpu_mask=job.gpu_mask)
 
 
 def _gated(job: _Job) -> bool:
@@ -275,7 +209,7 @@ class StreamBridge:
                                    "needs its calls replayed)")
             log.append(job)
         else:
-            service.publish_or_submit(job)
+            service.submit([job])
         return job
 
     def finish(self, job: _Job) -> torch.Tensor:
