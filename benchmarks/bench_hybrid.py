@@ -53,6 +53,20 @@ def placement_row(frac, e, seed=0):
     return row
 
 
+def enqueue_time(fn, reps, warm=2):
+    """Minimum seconds fn takes to return (the host's enqueueing work), synchronising after each."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return min(ts)
+
+
 def timed(fn, reps, warm=2):
     for _ in range(warm):
         fn()
@@ -89,16 +103,17 @@ def _unpacked(p):
     return u.q, u.scale
 
 
-def section_overlap(cpu, dev, res, reps):
+def section_overlap(cpu, dev, res, reps, ts=(1, 8, 64, 512, 4096)):
     gen = torch.Generator().manual_seed(1)
     rows = []
     for frac in (0.0, 0.25, 0.5, 1.0):
         row = placement_row(frac, E, 2)
         layer = HybridMoE(cpu, row, device=dev)
-        for t in (1, 8, 64, 512, 4096):
+        for t in ts:
             x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
             ids, w = routing(t, E, K, gen, dev)
             hyb = timed(lambda: layer(x, ids, w), reps)
+            enq = enqueue_time(lambda: layer(x, ids, w), reps) if t <= 64 else None
             # CPU part alone: the same CPU experts, inputs already on the host
             xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
             mask = row >= 0
@@ -114,9 +129,11 @@ def section_overlap(cpu, dev, res, reps):
             rows.append(dict(gpu_frac=frac, T=t, hybrid_min_ms=hyb[0] * 1e3, hybrid_med_ms=hyb[1] * 1e3,
                              cpu_alone_min_ms=cpu_alone[0] * 1e3, gpu_alone_min_ms=gpu_alone[0] * 1e3,
                              ratio_to_max=hyb[0] / bound if bound else None,
-                             target_ok=hyb[0] <= 1.15 * bound + 50e-6))
+                             target_ok=hyb[0] <= 1.15 * bound + 50e-6,
+                             hybrid_enqueue_min_ms=enq * 1e3 if enq is not None else None))
             print(f"overlap frac={frac:.2f} T={t:5d} hybrid {hyb[0]*1e3:8.3f} ms  cpu {cpu_alone[0]*1e3:8.3f}"
-                  f"  gpu {gpu_alone[0]*1e3:8.3f}  ratio {rows[-1]['ratio_to_max']}", flush=True)
+                  f"  gpu {gpu_alone[0]*1e3:8.3f}  ratio {rows[-1]['ratio_to_max']}"
+                  + (f"  enqueue {enq * 1e3:.3f}" if enq is not None else ""), flush=True)
     res["overlap"] = rows
 
 
@@ -171,7 +188,8 @@ def section_graph_overlap(cpu, dev, res, reps):
                              polled_graph_med_ms=polled[1] * 1e3, cpu_alone_min_ms=cpu_alone[0] * 1e3,
                              gpu_alone_graph_min_ms=gpu_alone[0] * 1e3,
                              ratio_to_max=hyb[0] / bound,
-                             target_ok=hyb[0] <= 1.15 * bound + 50e-6))
+                             target_ok=hyb[0] <= 1.15 * bound + 50e-6,
+                             hybrid_enqueue_min_ms=enq * 1e3 if enq is not None else None))
             print(f"graph overlap frac={frac:.2f} T={t}: gated {hyb[0] * 1e3:.3f} ms (med "
                   f"{hyb[1] * 1e3:.3f}), polled {polled[0] * 1e3:.3f} ({polled[1] * 1e3:.3f}); "
                   f"cpu {cpu_alone[0] * 1e3:.3f}  gpu {gpu_alone[0] * 1e3:.3f}"
@@ -335,6 +353,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--overlap-T", default="1,8,64,512,4096", help="T values of the overlap section")
     ap.add_argument("--sections", default="correctness,graph,concurrency,prefill,overlap")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -352,7 +371,8 @@ def main():
     print(f"setup {res['setup_s']:.1f} s, {args.threads} CPU threads", flush=True)
     for name in args.sections.split(","):
         fn = {"correctness": lambda: section_correctness(cpu, dev, res),
-              "overlap": lambda: section_overlap(cpu, dev, res, args.reps),
+              "overlap": lambda: section_overlap(cpu, dev, res, args.reps,
+                                                 tuple(int(v) for v in args.overlap_T.split(","))),
               "graph_overlap": lambda: section_graph_overlap(cpu, dev, res, args.reps),
               "switch": lambda: section_switch(cpu, dev, res, args.reps),
               "graph": lambda: section_graph(cpu, dev, res),
