@@ -188,8 +188,7 @@ def section_graph_overlap(cpu, dev, res, reps):
                              polled_graph_med_ms=polled[1] * 1e3, cpu_alone_min_ms=cpu_alone[0] * 1e3,
                              gpu_alone_graph_min_ms=gpu_alone[0] * 1e3,
                              ratio_to_max=hyb[0] / bound,
-                             target_ok=hyb[0] <= 1.15 * bound + 50e-6,
-                             hybrid_enqueue_min_ms=enq * 1e3 if enq is not None else None))
+                             target_ok=hyb[0] <= 1.15 * bound + 50e-6))
             print(f"graph overlap frac={frac:.2f} T={t}: gated {hyb[0] * 1e3:.3f} ms (med "
                   f"{hyb[1] * 1e3:.3f}), polled {polled[0] * 1e3:.3f} ({polled[1] * 1e3:.3f}); "
                   f"cpu {cpu_alone[0] * 1e3:.3f}  gpu {gpu_alone[0] * 1e3:.3f}"
