@@ -347,6 +347,37 @@ def section_prefill(cpu, dev, res, reps):
     print("prefill", res["prefill"], flush=True)
 
 
+def section_eager_profile(cpu, dev, res, calls=300):
+    """Where an eager decode-sized layer call spends host time: cProfile of the enqueueing thread
+    over `calls` calls (a host sync after each, outside the profile), per GPU share at T=1."""
+    import cProfile
+    import io
+    import pstats
+
+    gen = torch.Generator().manual_seed(3)
+    out = {}
+    for frac in (0.0, 0.25, 1.0):
+        layer = HybridMoE(cpu, placement_row(frac, E, 2), device=dev)
+        x = (torch.randn(1, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+        ids, w = routing(1, E, K, gen, dev)
+        for _ in range(5):
+            layer(x, ids, w)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        for _ in range(calls):
+            prof.enable()
+            layer(x, ids, w)
+            prof.disable()
+            torch.cuda.synchronize()
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(22)
+        st.sort_stats("cumulative").print_stats(22)
+        out[str(frac)] = buf.getvalue()
+        print(f"--- eager profile, GPU share {frac}, T=1, {calls} calls\n{buf.getvalue()}", flush=True)
+    res["eager_profile"] = out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -374,6 +405,7 @@ def main():
                                                  tuple(int(v) for v in args.overlap_T.split(","))),
               "graph_overlap": lambda: section_graph_overlap(cpu, dev, res, args.reps),
               "switch": lambda: section_switch(cpu, dev, res, args.reps),
+              "eager_profile": lambda: section_eager_profile(cpu, dev, res),
               "graph": lambda: section_graph(cpu, dev, res),
               "concurrency": lambda: section_concurrency(cpu, dev, res),
               "prefill": lambda: section_prefill(cpu, dev, res, max(3, args.reps // 3))}[name]
