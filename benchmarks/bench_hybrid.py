@@ -53,30 +53,29 @@ def placement_row(frac, e, seed=0):
     return row
 
 
-def enqueue_time(fn, reps, warm=2):
-    """Minimum seconds fn takes to return (the host's enqueueing work), synchronising after each."""
+def _runs(fn, reps, warm):
+    """(seconds until fn returned, seconds until the device finished) per call, a host sync after each."""
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
-    ts = []
+    out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        ts.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
         torch.cuda.synchronize()
-    return min(ts)
+        out.append((t1 - t0, time.perf_counter() - t0))
+    return out
+
+
+def enqueue_time(fn, reps, warm=2):
+    """Minimum seconds fn takes to return (the host's enqueueing work)."""
+    return min(r[0] for r in _runs(fn, reps, warm))
 
 
 def timed(fn, reps, warm=2):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
+    """(min, median) seconds per call including a host sync."""
+    ts = [r[1] for r in _runs(fn, reps, warm)]
     return min(ts), statistics.median(ts)
 
 

@@ -406,10 +406,10 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
 # ----------------------------------------------------------------------------- phase barrier
 
 @njit(nogil=True, cache=True)
-def _wait_phase(jctrl, base, n):
-    """Spin until the phase at ``base`` has n tasks done; False if the job was aborted."""
+def _wait_at_least(jctrl, words, idx, n):
+    """Spin until words[idx] >= n; False if the job was aborted (meanwhile or at the end)."""
     i = 0
-    while atomic_load(jctrl, base + CTRL_STRIDE) < n:
+    while atomic_load(words, idx) < n:
         if atomic_load(jctrl, JOB_ABORT) != 0:
             return False
         i += 1
@@ -418,15 +418,9 @@ def _wait_phase(jctrl, base, n):
 
 
 @njit(nogil=True, cache=True)
-def _wait_ready(jctrl, dep, e):
-    """Pipelined decode: spin until expert e's activations are ready; False if the job was aborted."""
-    i = 0
-    while atomic_load(dep, e * DEP_STRIDE + 1) == 0:
-        if atomic_load(jctrl, JOB_ABORT) != 0:
-            return False
-        i += 1
-        spin_relax(i, 1024)
-    return True
+def _wait_phase(jctrl, base, n):
+    """Spin until the phase at ``base`` has n tasks done; False if the job was aborted."""
+    return _wait_at_least(jctrl, jctrl, base + CTRL_STRIDE, n)
 
 
 @njit(nogil=True, cache=True)
@@ -729,7 +723,7 @@ def moe_job(nth, jctrl, desc):
                         if pa != 0:
                             c_w = cycles()
                             prof[2, 0] += c_w - tc
-                        ok = _wait_ready(jctrl, dep, e)
+                        ok = _wait_at_least(jctrl, dep, e * DEP_STRIDE + 1, 1)  # e's activations
                         if pa != 0:
                             tc = cycles()
                             prof[4, 1] += tc - c_w

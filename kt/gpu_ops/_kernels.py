@@ -44,6 +44,38 @@ def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, row_mask, H, stride_xh, stride_wh,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 CT: tl.constexpr, UPCAST: tl.constexpr):
+    """Gate and up accumulators [ROWS, BLOCK_N] of the gathered activation rows (a_ptrs, rows where
+    row_mask) against the weight tiles (g_ptrs / u_ptrs: [BLOCK_K, BLOCK_N]), over all of H."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(H, BLOCK_K)):
+        k_mask = offs_k < H - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        bg = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
+        bu = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
+        a = _cast(a, CT, UPCAST)
+        acc_g = tl.dot(a, _cast(bg, CT, UPCAST), acc_g)
+        acc_u = tl.dot(a, _cast(bu, CT, UPCAST), acc_u)
+        a_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+    return acc_g, acc_u
+
+
+@triton.jit
+def _silu_up(acc_g, acc_u, s13_ptr, slot, offs_nc, I, stride_se, stride_sn, INT8_W: tl.constexpr):
+    """silu(gate) * up, the int8 weights' per-row scales applied first (slot: int64)."""
+    if INT8_W:
+        acc_g = acc_g * tl.load(s13_ptr + slot * stride_se + offs_nc * stride_sn)
+        acc_u = acc_u * tl.load(s13_ptr + slot * stride_se + (offs_nc + I) * stride_sn)
+    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, s13_ptr, h_ptr,
     sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
@@ -76,28 +108,9 @@ def gate_up_kernel(
 
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
         g_ptrs = w13_ptr + slot * stride_we + offs_nc[None, :] * stride_wn + offs_k[:, None] * stride_wh
-        u_ptrs = g_ptrs + I * stride_wn
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(H, BLOCK_K)):
-            k_mask = offs_k < H - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
-            bu = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
-            a = _cast(a, CT, UPCAST)
-            bg = _cast(bg, CT, UPCAST)
-            bu = _cast(bu, CT, UPCAST)
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
-            a_ptrs += BLOCK_K * stride_xh
-            g_ptrs += BLOCK_K * stride_wh
-            u_ptrs += BLOCK_K * stride_wh
-        if INT8_W:
-            sg = tl.load(s13_ptr + slot * stride_se + offs_nc * stride_sn)
-            su = tl.load(s13_ptr + slot * stride_se + (offs_nc + I) * stride_sn)
-            acc_g = acc_g * sg[None, :]
-            acc_u = acc_u * su[None, :]
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, m_mask, H, stride_xh, stride_wh,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, CT, UPCAST)
+        h = _silu_up(acc_g, acc_u, s13_ptr, slot, offs_nc[None, :], I, stride_se, stride_sn, INT8_W)
         h_ptrs = h_ptr + tl.where(m_mask, tok_slot, 0).to(tl.int64)[:, None] * stride_hm \
             + offs_nc[None, :] * stride_hi
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -310,26 +323,9 @@ def gate_up_scan_kernel(
         slot64 = slot.to(tl.int64)
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
         g_ptrs = w13_ptr + slot64 * stride_we + offs_nc[None, :] * stride_wn + offs_k[:, None] * stride_wh
-        u_ptrs = g_ptrs + I * stride_wn
-        acc_g = tl.zeros((NP, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((NP, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(H, BLOCK_K)):
-            k_mask = offs_k < H - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=mine[:, None] & k_mask[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
-            bu = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
-            a = _cast(a, CT, UPCAST)
-            acc_g = tl.dot(a, _cast(bg, CT, UPCAST), acc_g)
-            acc_u = tl.dot(a, _cast(bu, CT, UPCAST), acc_u)
-            a_ptrs += BLOCK_K * stride_xh
-            g_ptrs += BLOCK_K * stride_wh
-            u_ptrs += BLOCK_K * stride_wh
-        if INT8_W:
-            sg = tl.load(s13_ptr + slot64 * stride_se + offs_nc * stride_sn)
-            su = tl.load(s13_ptr + slot64 * stride_se + (offs_nc + I) * stride_sn)
-            acc_g = acc_g * sg[None, :]
-            acc_u = acc_u * su[None, :]
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, mine, H, stride_xh, stride_wh,
+                                    NP, BLOCK_N, BLOCK_K, CT, UPCAST)
+        h = _silu_up(acc_g, acc_u, s13_ptr, slot64, offs_nc[None, :], I, stride_se, stride_sn, INT8_W)
         h_ptrs = h_ptr + tl.where(mine, offs_p, 0).to(tl.int64)[:, None] * stride_hm + offs_nc[None, :] * stride_hi
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mine[:, None] & n_mask[None, :])
 
@@ -375,10 +371,7 @@ def gate_up_pairs_kernel(
             acc_u += tl.sum(_cast(u, CT, UPCAST).to(tl.float32) * xv[None, :], 1)
             g_ptrs += BLOCK_K * stride_wh
             u_ptrs += BLOCK_K * stride_wh
-        if INT8_W:
-            acc_g = acc_g * tl.load(s13_ptr + s64 * stride_se + offs_nc * stride_sn)
-            acc_u = acc_u * tl.load(s13_ptr + s64 * stride_se + (offs_nc + I) * stride_sn)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h = _silu_up(acc_g, acc_u, s13_ptr, s64, offs_nc, I, stride_se, stride_sn, INT8_W)
         tl.store(h_ptr + n * stride_hm + offs_nc * stride_hi, h.to(h_ptr.dtype.element_ty), mask=n_mask)
 
 
