@@ -182,7 +182,7 @@ def graph_of(torch, fn):
 
 def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
     from kt.gpu_ops import MoEConfig, fused_moe, pick_config
-    from kt.gpu_ops.configs import config_from_dict
+    from kt.gpu_ops.configs import config_from_dict, shape_key
     dev = "cpu" if dry else "cuda"
     table = {}
     for name, sh in shapes.items():
@@ -279,7 +279,7 @@ def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
                     c = res.data["ceilings"]
                     sp["hbm_fraction"] = weight_bytes / sec / c["hbm_bytes_per_s"]
                     sp["bf16_peak_fraction"] = flops / sec / c["bf16_flops_per_s"]
-                    table.setdefault(f"H{sh['H']}_I{sh['I']}_{dtype}", {})[str(t)] = best["config"]
+                    table.setdefault(shape_key(sh["H"], sh["I"], dtype), {})[str(t)] = best["config"]
                     # breakdown: each stage alone, and the fixed floor (every id -1: no tile runs)
                     try:
                         sp.update(stage_times(torch, do_bench, x, ids, w, e2s, wts, sh,
@@ -356,19 +356,20 @@ SORTED_GU = [(64, 64, 8, 4, 4), (64, 64, 8, 8, 4), (128, 64, 8, 8, 3), (128, 64,
              (64, 128, 8, 8, 3), (128, 32, 8, 8, 4), (32, 64, 8, 4, 4)]
 SORTED_DOWN = [(128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (64, 128, 8, 4, 4),
                (256, 128, 8, 8, 2), (128, 32, 8, 4, 5), (64, 64, 8, 4, 4)]
-TUNE_CASES = ([("qwen3-30b-a3b", d, t) for d in ("bf16", "int8") for t in (1, 7, 4096)]
-              + [("qwen3-30b-a3b", "bf16", 512)] + [("mixtral-8x7b", "bf16", t) for t in (1, 7)])
+# (T=7 was swept in session 5 and lost to the sorted path; the direct path now stops at T*K = 8)
+TUNE_CASES = ([("qwen3-30b-a3b", d, t) for d in ("bf16", "int8") for t in (1, 4096)]
+              + [("qwen3-30b-a3b", "bf16", 512), ("mixtral-8x7b", "bf16", 1)])
 TUNE_BM = {512: (64,), 4096: (64, 128)}
 
 
-def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda"):
+def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None):
     """Sweep each kernel of a path alone, combine the best, and time it against the shipped table's
     config (interleaved rounds). Returns table entries {shape key: {T: config dict}} that beat it."""
     from dataclasses import replace
 
     from kt.gpu_ops import DirectConfig, MoEConfig, fused_moe, pick_config
     from kt.gpu_ops import moe as M
-    from kt.gpu_ops.configs import DIRECT_MAX_N, config_from_dict
+    from kt.gpu_ops.configs import DIRECT_MAX_N, config_from_dict, shape_key
 
     def t_us(fn):
         g, _ = graph_of(torch, fn)
@@ -390,12 +391,12 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda"):
         return rows, (min(ok, key=lambda r: r["us"]) if ok else None)
 
     found = {}
-    for name, dtype, t in TUNE_CASES:
+    for name, dtype, t in (TUNE_CASES if cases is None else cases):
         if time.time() > deadline:
             log("tune: time budget reached")
             break
         sh = SHAPES[name]
-        key = shape_key_of(sh, dtype)
+        key = shape_key(sh["H"], sh["I"], dtype)
         e2s = make_e2s(torch, sh, dev, 1)
         wts, (w13f, w2f) = make_weights(torch, sh, dtype, dev, 2)
         gx = torch.Generator(device=dev).manual_seed(3 + t)
@@ -430,6 +431,10 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda"):
             tuned = DirectConfig(gate_up=gu["cand"][0], block_n=gu["cand"][1], block_k=gu["cand"][2],
                                  num_warps=gu["cand"][3], num_stages=gu["cand"][4], down_block_n=dn["cand"][0],
                                  down_block_k=dn["cand"][1], down_num_warps=dn["cand"][2])
+        elif t not in TUNE_BM:  # a sorted-path T without a block_m sweep (e.g. qwen3 T=7 since
+            # the direct path stops at T*K = 8): nothing to tune here
+            log(f"  sorted path at T={t}: no block_m sweep listed (TUNE_BM); skipped")
+            continue
         else:
             per_bm = {}
             programs = (M._INTERPRETER_PROGRAMS if dev == "cpu"
@@ -488,10 +493,6 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda"):
         if dev != "cpu":
             torch.cuda.empty_cache()
     return found
-
-
-def shape_key_of(sh, dtype):
-    return f"H{sh['H']}_I{sh['I']}_{dtype}"
 
 
 # ----------------------------------------------------------------------------- stream sync
@@ -694,11 +695,9 @@ def main():
         from kt.gpu_ops.configs import load_table
 
         shipped = load_table("h200")
-        if args.tune_T:
-            keep_t = {int(v) for v in args.tune_T.split(",")}
-            global TUNE_CASES
-            TUNE_CASES = [c for c in TUNE_CASES if c[2] in keep_t]
-        found = part_tune(torch, R, res, do_bench, time.time() + args.tune_budget_s, shipped)
+        keep_t = {int(v) for v in args.tune_T.split(",") if v}
+        cases = [c for c in TUNE_CASES if not keep_t or c[2] in keep_t]
+        found = part_tune(torch, R, res, do_bench, time.time() + args.tune_budget_s, shipped, cases=cases)
         res.save()
         if args.out:
             merged = {k: dict(v) for k, v in shipped.items()}

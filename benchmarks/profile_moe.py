@@ -93,61 +93,19 @@ def interleaved(variants, T, reps, rng, shape):
 
 
 def _int4_gemv_variants():
-    """The AVX-512 VNNI INT4 gemv (the decode kernel on AMX and AVX-512 hosts) with software
-    prefetch of its packed lines some bytes ahead, by name (contract signatures)."""
+    """The AVX-512 VNNI INT4 gemv with software prefetch of its packed lines 512 B / 2 KB ahead, by
+    name (contract signatures): the library's own body (``kernels_avx512._gemv_int4``) with another
+    distance. (2 KB ahead is now the default on AMX hosts, ``gemv_int4_pf``; on other hosts these
+    rows compare it with the plain kernel.)"""
     from kt.cpu_ops import kernels_avx512 as KV
-    from kt.cpu_ops._simd import (bcast4_i32x16, cvt_i32_f32, load_f32x16, load_i32x16, prefetch,
-                                  splat_f32x16, splat_i32x16, store, vadd, vand, vfma, vmul,
-                                  vpdpbusd512, vsra, vsub)
-    from kt.cpu_ops.actquant import group_sums
-
-    nibm, nhim = KV._NIB, KV._NHI
-
-    @njit(nogil=True)
-    def gemv_pf(xq, xs, data, scale, group_size, out, nb0, nb1, dist):
-        lines = data.shape[1]
-        d_pad = lines * 8
-        blk = lines * 64
-        ng = d_pad // group_size
-        gl = group_size // 8
-        sblk = ng * 16
-        xrow = xq.strides[0]
-        orow = out.strides[0] // 4
-        nib = splat_i32x16(nibm)
-        nhi = splat_i32x16(nhim)
-        xsum = group_sums(xq, group_size, d_pad)
-        for b in range(nb0, nb1):
-            p = b * blk
-            for m in range(xq.shape[0]):
-                f = splat_f32x16(0.0)
-                xo = m * xrow
-                for g in range(ng):
-                    a0 = splat_i32x16(0)
-                    a1 = a0
-                    a2 = a0
-                    a3 = a0
-                    for j in range(g * gl, (g + 1) * gl, 2):
-                        o = p + 64 * j
-                        k = xo + 8 * j
-                        prefetch(data, min(o + dist, data.size - 1))
-                        w = load_i32x16(data, o)
-                        a0 = vpdpbusd512(a0, vand(w, nib), bcast4_i32x16(xq, k))
-                        a1 = vpdpbusd512(a1, vand(w, nhi), bcast4_i32x16(xq, k + 4))
-                        w = load_i32x16(data, o + 64)
-                        a2 = vpdpbusd512(a2, vand(w, nib), bcast4_i32x16(xq, k + 8))
-                        a3 = vpdpbusd512(a3, vand(w, nhi), bcast4_i32x16(xq, k + 12))
-                    acc = vadd(vadd(a0, a2), vsra(vadd(a1, a3), 4))
-                    si = b * sblk + g * 16
-                    f = vfma(cvt_i32_f32(vsub(acc, splat_i32x16(xsum[m, g]))), load_f32x16(scale, si), f)
-                store(out, m * orow + 16 * b, vmul(f, splat_f32x16(xs[m])))
 
     @njit(nogil=True)
     def pf512(xq, xs, data, scale, group_size, out, nb0, nb1):
-        gemv_pf(xq, xs, data, scale, group_size, out, nb0, nb1, 512)
+        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 512)
 
     @njit(nogil=True)
     def pf2k(xq, xs, data, scale, group_size, out, nb0, nb1):
-        gemv_pf(xq, xs, data, scale, group_size, out, nb0, nb1, 2048)
+        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 2048)
 
     return {"i4pf512": pf512, "i4pf2k": pf2k}
 
