@@ -93,21 +93,27 @@ def interleaved(variants, T, reps, rng, shape):
 
 
 def _int4_gemv_variants():
-    """The AVX-512 VNNI INT4 gemv with software prefetch of its packed lines 512 B / 2 KB ahead, by
-    name (contract signatures): the library's own body (``kernels_avx512._gemv_int4``) with another
-    distance. (2 KB ahead is now the default on AMX hosts, ``gemv_int4_pf``; on other hosts these
-    rows compare it with the plain kernel.)"""
+    """The AVX-512 VNNI INT4 gemv with a software prefetch of its packed lines, by name (contract
+    signatures), all the library's own body (``kernels_avx512._gemv_int4``): every other line
+    512 B / 2 KB ahead (``i4pf512``, ``i4pf2k``: 2 KB is ``gemv_int4_pf``, the AMX hosts' default),
+    every line 2 KB / 4 KB ahead (``i4pfl2k``, ``i4pfl4k``: 4 KB is ``gemv_int4_pfl``, the AVX-512
+    hosts' default). Each row compares with the host's default kernel."""
     from kt.cpu_ops import kernels_avx512 as KV
 
     @njit(nogil=True)
     def pf512(xq, xs, data, scale, group_size, out, nb0, nb1):
-        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 512)
+        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 512, False)
 
     @njit(nogil=True)
     def pf2k(xq, xs, data, scale, group_size, out, nb0, nb1):
-        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 2048)
+        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 2048, False)
 
-    return {"i4pf512": pf512, "i4pf2k": pf2k}
+    @njit(nogil=True)
+    def pfl2k(xq, xs, data, scale, group_size, out, nb0, nb1):
+        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 2048, True)
+
+    return {"i4pf512": pf512, "i4pf2k": pf2k, "i4pfl2k": pfl2k, "i4pfl4k": KV.gemv_int4_pfl,
+            "i4plain": KV.gemv_int4}
 
 
 def _amx_variants(scheme):

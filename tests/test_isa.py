@@ -117,7 +117,7 @@ def test_registry_prefers_the_measured_faster_decode_kernels_on_amx_hosts():
             for op in ("gemv", "gemm") for s in ("int8", "int4", "bf16")}
     assert pick[("gemv", "int8")] == "avx512_vnni"
     assert registry.lookup("gemv", "int4", "amx").target == "kt.cpu_ops.kernels_avx512:gemv_int4_pf"
-    assert registry.lookup("gemv", "int4", "avx512_vnni").target == "kt.cpu_ops.kernels_avx512:gemv_int4"
+    assert registry.lookup("gemv", "int4", "avx512_vnni").target == "kt.cpu_ops.kernels_avx512:gemv_int4_pfl"
     assert pick[("gemv", "bf16")] == "amx"
     assert all(pick[("gemm", s)] == "amx" for s in ("int8", "int4", "bf16"))
     assert registry.lookup("gemv", "int8", "avx2").variant == "avx2"

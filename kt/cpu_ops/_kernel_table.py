@@ -24,10 +24,13 @@ register("gemm", S.BF16, "amx", f"{_M}.kernels_amx:gemm_bf16")
 # 0.21 vs 0.32 ms (BF16: AMX 0.79 vs 0.86 ms), so it is preferred where both run.
 register("gemv", S.INT8, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int8", priority=1)
 register("gemm", S.INT8, "avx512_vnni", f"{_M}.kernels_avx512:gemm_int8")
-register("gemv", S.INT4, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int4", priority=1)
-# The same INT4 gemv with a software prefetch 2 KB ahead, for AMX hosts only (an AMX host runs
-# AVX-512 VNNI): on the 16-core Emerald Rapids it was faster (T=1 0.26 vs 0.28 ms, T=4 0.79 vs 0.91,
-# results/profile_moe_s5_run8_i4pf.json), on the Zen 4 dev machine 3 % slower.
+# The INT4 gemv prefetches its packed lines. Every line 4 KB ahead on AVX-512 hosts: on the Zen 4
+# dev machine (qwen3 layer, interleaved, min ms) T=1 0.70 vs 0.79 on one thread, T=4 / 8 1.54 /
+# 2.91 vs 1.63 / 3.10 on two (results/profile_moe_s6_dev_i4pfl_t*.json). Every other line 2 KB
+# ahead on AMX hosts (an AMX host runs AVX-512 VNNI): on the 16-core Emerald Rapids T=1 0.26 vs
+# 0.28 ms, T=4 0.79 vs 0.91 against no prefetch (results/profile_moe_s5_run8_i4pf.json); on Zen 4
+# that one is 10-20 % slower. Each is measured on its own machine only.
+register("gemv", S.INT4, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int4_pfl", priority=1)
 register("gemv", S.INT4, "amx", f"{_M}.kernels_avx512:gemv_int4_pf", priority=2)
 register("gemm", S.INT4, "avx512_vnni", f"{_M}.kernels_avx512:gemm_int4")
 register("gemv", S.BF16, "avx512_bf16", f"{_M}.kernels_avx512:gemv_bf16")

@@ -6,8 +6,9 @@ Every kernel follows kt/cpu_ops/README.md: it reads one packed weight (packing.p
 - gemv (decode, M = 1-2): one block (16 rows x D, one sequential stream) at a time with four
   accumulator chains split along K, the token loop inside the block so its lines come from memory
   once and from L1/L2 for the other tokens. One stream per call measured faster on cold weights
-  than four interleaved block streams (32 vs 25 GB/s here); software prefetch only slowed it here,
-  but helps INT4 on the 16-core AMX machine (``gemv_int4_pf``, registered for AMX hosts).
+  than four interleaved block streams (32 vs 25 GB/s here). Software prefetch slowed INT8 and BF16
+  here; INT4 prefetches its lines (``gemv_int4_pfl`` on AVX-512 hosts, ``gemv_int4_pf`` on AMX
+  hosts: each measured faster on its machine).
 - gemm (prefill): 4 tokens x 4 blocks per step (INT4: 4 x 2, its fp32 group sums need registers
   too), 16 accumulators; each weight line load feeds 4 tokens and each activation broadcast feeds
   4 blocks. M is swept in chunks of tiling.gemm_m_chunk tokens so the chunk's activations stay
@@ -202,27 +203,38 @@ def _i4_group(f, acc, corr, scale, si):
     return vfma(cvt_i32_f32(vsub(acc, corr)), load_f32x16(scale, si), f)
 
 
-INT4_PF_AHEAD = 2048  # bytes of packed lines gemv_int4_pf prefetches ahead
+INT4_PF_AHEAD = 2048  # bytes of packed lines gemv_int4_pf prefetches ahead (every other line)
+INT4_PFL_AHEAD = 4096  # bytes of packed lines gemv_int4_pfl prefetches ahead (every line)
 
 
 @njit(nogil=True, cache=True)
 def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """INT4 small-M GEMM. xq int8 [M, d_pad], xs fp32 [M], data uint8 [NB, d_pad/8, 16, 4],
     scale fp32 [NB, d_pad/G, 16], out fp32 [M, >= 16*nb1]."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 0)
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 0, False)
 
 
 @njit(nogil=True, cache=True)
 def gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1):
-    """``gemv_int4`` with a software prefetch of its packed lines INT4_PF_AHEAD bytes ahead: the
-    decode kernel on AMX hosts. On the 16-core Emerald Rapids (qwen3 layer, 16 threads, interleaved,
-    results/profile_moe_s5_run8_i4pf.json) T=1 0.26 vs 0.28 ms min, T=4 0.79 vs 0.91; on the Zen 4
-    dev machine it was 3 % slower, so the plain kernel stays the AVX-512 hosts' one."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PF_AHEAD)
+    """``gemv_int4`` with a software prefetch of every other packed line INT4_PF_AHEAD bytes ahead
+    (Intel's adjacent-line prefetcher brings the pair's other line): the decode kernel on AMX
+    hosts. On the 16-core Emerald Rapids (qwen3 layer, 16 threads, interleaved,
+    results/profile_moe_s5_run8_i4pf.json) T=1 0.26 vs 0.28 ms min, T=4 0.79 vs 0.91."""
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PF_AHEAD, False)
 
 
 @njit(nogil=True, cache=True)
-def _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, ahead):
+def gemv_int4_pfl(xq, xs, data, scale, group_size, out, nb0, nb1):
+    """``gemv_int4`` with a software prefetch of every packed line INT4_PFL_AHEAD bytes ahead: the
+    decode kernel on AVX-512 hosts without AMX. On the Zen 4 dev machine (one thread, cold
+    weights, interleaved) it reads 29-31 GB/s where the plain kernel reads 26-27 and the
+    every-other-line prefetch of ``gemv_int4_pf`` 22-24: Zen 4 does not fetch the pair's other
+    line by itself."""
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True)
+
+
+@njit(nogil=True, cache=True)
+def _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, ahead, every_line):
     m_count = xq.shape[0]
     lines = data.shape[1]
     d_pad = lines * 8
@@ -254,6 +266,8 @@ def _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, ahead):
                     k = xo + 8 * j
                     if ahead > 0:
                         prefetch(data, min(o + ahead, last))
+                        if every_line:
+                            prefetch(data, min(o + 64 + ahead, last))
                     w = load_i32x16(data, o)
                     a0 = vpdpbusd512(a0, vand(w, nib), bcast4_i32x16(xq, k))
                     a1 = vpdpbusd512(a1, vand(w, nhi), bcast4_i32x16(xq, k + 4))

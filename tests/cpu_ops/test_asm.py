@@ -52,13 +52,14 @@ def _int_args(scheme):
 
 @pytest.mark.skipif("avx512_vnni" not in isa.runnable_variants(),
                     reason="host cannot run AVX-512 VNNI")
-@pytest.mark.parametrize("name", ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_int4_pf"])
+@pytest.mark.parametrize("name", ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_int4_pf",
+                                  "gemv_int4_pfl"])
 def test_vnni_kernels_use_vpdpbusd(name):
     from kt.cpu_ops import kernels_avx512 as k
 
     asm = _asm(getattr(k, name), _int_args(name.split("_")[1]))
     assert "vpdpbusd" in asm and "zmm" in asm
-    assert ("prefetcht0" in asm) == name.endswith("_pf"), name
+    assert ("prefetcht0" in asm) == name.endswith(("_pf", "_pfl")), name
 
 
 @pytest.mark.skipif("avx512_bf16" not in isa.runnable_variants(),

@@ -233,11 +233,14 @@ def test_tiling_choice():
 
 @pytest.mark.skipif("avx512_vnni" not in isa.runnable_variants(), reason="host cannot run AVX-512 VNNI")
 @pytest.mark.parametrize("g", [32, 64, 128])
-def test_int4_prefetching_gemv_is_exact(g):
-    """gemv_int4_pf (the INT4 decode kernel registered for AMX hosts): the int64 sums exactly (all
-    scales 1) and, on real scales, bit-identical to gemv_int4 (the prefetch changes no arithmetic)."""
+@pytest.mark.parametrize("name", ["gemv_int4_pf", "gemv_int4_pfl"])
+def test_int4_prefetching_gemv_is_exact(g, name):
+    """The prefetching INT4 gemvs (the decode kernels registered for AMX and AVX-512 hosts): the
+    int64 sums exactly (all scales 1) and, on real scales, bit-identical to gemv_int4 (the
+    prefetch changes no arithmetic)."""
     from kt.cpu_ops import kernels_avx512 as KV
 
+    kern = getattr(KV, name)
     rng = np.random.default_rng(18 + g)
     m, n, d = 2, 52, 5 * g + 24
     q = rng.integers(-7, 8, (n, d)).astype(np.int8)
@@ -246,13 +249,13 @@ def test_int4_prefetching_gemv_is_exact(g):
     xq = np.zeros((m, p.d_pad), np.int8)
     xq[:, :d] = rng.integers(-127, 128, (m, d))
     out = np.full((m, p.n_pad), np.nan, np.float32)
-    gemm.launch(KV.gemv_int4_pf, p, (xq, np.ones(m, np.float32)), out)
+    gemm.launch(kern, p, (xq, np.ones(m, np.float32)), out)
     want = xq[:, :d].astype(np.int64) @ q.astype(np.int64).T
     assert_exact(want.astype(np.float32), out[:, :n], what=f"int4 pf G={g}")
     pr = packing.pack(rng.standard_normal((n, d), dtype=np.float32), QuantScheme.INT4, g)
     xs = rng.random(m, dtype=np.float32) + 0.5
     a = np.full((m, pr.n_pad), np.nan, np.float32)
     b = a.copy()
-    gemm.launch(KV.gemv_int4_pf, pr, (xq, xs), a)
+    gemm.launch(kern, pr, (xq, xs), a)
     gemm.launch(KV.gemv_int4, pr, (xq, xs), b)
     assert np.array_equal(a, b)
