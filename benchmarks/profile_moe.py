@@ -116,6 +116,26 @@ def _int4_gemv_variants():
             "i4plain": KV.gemv_int4}
 
 
+def _avx512_gemm_variants(scheme):
+    """The AVX-512 large-M kernel of ``scheme`` without its next-group L2 prefetch (``nopf``), by
+    name: the library's own body with ``pf=False``."""
+    from kt.cpu_ops import kernels_avx512 as KV
+
+    if scheme is QuantScheme.INT8:
+        @njit(nogil=True)
+        def nopf(xq, xs, data, scale, wsum, out, nb0, nb1):
+            KV._gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1, False)
+    elif scheme is QuantScheme.INT4:
+        @njit(nogil=True)
+        def nopf(xq, xs, data, scale, group_size, out, nb0, nb1):
+            KV._gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, False)
+    else:
+        @njit(nogil=True)
+        def nopf(xb, data, out, nb0, nb1):
+            KV._gemm_bf16(xb, data, out, nb0, nb1, False)
+    return {"gemm_nopf": nopf}
+
+
 def _amx_variants(scheme):
     """Alternative large-M kernels for ``kernels=`` (contract signatures), by name: the
     K-sliced ``gemm_*_blocked`` kernels that were the default before the pipelined ones, and the
@@ -307,6 +327,10 @@ def main(argv=None):
             vars_ = {"default": layers}
             if variant == "amx":
                 for name, k in _amx_variants(scheme).items():
+                    vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(kv, k)) for L in layers]
+            if variant in ("avx512_vnni", "avx512_bf16") and (
+                    scheme is not QuantScheme.BF16 or variant == "avx512_bf16"):
+                for name, k in _avx512_gemm_variants(scheme).items():
                     vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(kv, k)) for L in layers]
             if scheme is QuantScheme.INT4 and variant in ("amx", "avx512_vnni", "avx512_bf16"):
                 for name, k in _int4_gemv_variants().items():

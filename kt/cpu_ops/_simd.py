@@ -24,7 +24,7 @@ __all__ = [
     # memory
     "load_i8x64", "load_i16x32", "load_i32x16", "load_f32x16",
     "load_i8x32", "load_i16x16", "load_i32x8", "load_f32x8",
-    "bcast4_i32x16", "bcast4_i32x8", "store", "prefetch",
+    "bcast4_i32x16", "bcast4_i32x8", "store", "prefetch", "prefetch_l2",
     # constants / broadcast of scalars
     "splat_i32x16", "splat_f32x16", "splat_i32x8", "splat_f32x8", "splat_i16x16", "splat_i8x32",
     # bit casts
@@ -144,20 +144,29 @@ def store(typingctx, arr, idx, v):
     return types.void(arr, idx, v), codegen
 
 
-@intrinsic
-def prefetch(typingctx, arr, idx):
-    """Hint the line holding element ``idx`` into all cache levels (read, locality 3)."""
-    if not isinstance(arr, types.Array) or not _is_index(idx):
-        return None
+def _make_prefetch(name: str, locality: int, doc: str):
+    def typer(typingctx, arr, idx):
+        if not isinstance(arr, types.Array) or not _is_index(idx):
+            return None
 
-    def codegen(context, builder, sig, args):
-        p = _elem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [p.type, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return types.void(arr, idx), codegen
+        def codegen(context, builder, sig, args):
+            p = _elem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [p.type, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            builder.call(fn, [p, ir.Constant(i32, 0), ir.Constant(i32, locality),
+                              ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+        return types.void(arr, idx), codegen
+    typer.__name__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+prefetch = _make_prefetch(
+    "prefetch", 3, "Hint the line holding element ``idx`` into all cache levels (prefetcht0).")
+prefetch_l2 = _make_prefetch(
+    "prefetch_l2", 2, "Hint the line holding element ``idx`` into L2 and below (prefetcht1).")
 
 
 # ----------------------------------------------------------------------------- splat / casts
