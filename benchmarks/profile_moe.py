@@ -116,24 +116,41 @@ def _int4_gemv_variants():
             "i4plain": KV.gemv_int4}
 
 
-def _avx512_gemm_variants(scheme):
-    """The AVX-512 large-M kernel of ``scheme`` without its next-group L2 prefetch (``nopf``), by
-    name: the library's own body with ``pf=False``."""
-    from kt.cpu_ops import kernels_avx512 as KV
-
-    if scheme is QuantScheme.INT8:
-        @njit(nogil=True)
-        def nopf(xq, xs, data, scale, wsum, out, nb0, nb1):
-            KV._gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1, False)
-    elif scheme is QuantScheme.INT4:
-        @njit(nogil=True)
-        def nopf(xq, xs, data, scale, group_size, out, nb0, nb1):
-            KV._gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, False)
+def _vector_gemm_variants(scheme, variant):
+    """The AVX-512 or AVX2 large-M kernel of ``scheme`` with and without its next-block L2
+    prefetch (``gemm_pf``, ``gemm_nopf``), by name: the library's own body called with ``pf`` from
+    a jitted wrapper (``gemm_pf`` is the control: compiled in this process with ``pf`` constant,
+    like ``gemm_nopf``)."""
+    if variant in ("avx512_vnni", "avx512_bf16") and (
+            scheme is not QuantScheme.BF16 or variant == "avx512_bf16"):
+        from kt.cpu_ops import kernels_avx512 as KM
+        wsum_arg = True
+    elif variant in ("avx512", "avx2", "avx512_vnni", "avx512_bf16"):
+        from kt.cpu_ops import kernels_avx2 as KM
+        wsum_arg = False
     else:
-        @njit(nogil=True)
-        def nopf(xb, data, out, nb0, nb1):
-            KV._gemm_bf16(xb, data, out, nb0, nb1, False)
-    return {"gemm_nopf": nopf}
+        return {}
+
+    def make(pf):  # pf is a closure constant, frozen at compile time
+        if scheme is QuantScheme.INT8 and wsum_arg:
+            @njit(nogil=True)
+            def k(xq, xs, data, scale, wsum, out, nb0, nb1):
+                KM._gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1, pf)
+        elif scheme is QuantScheme.INT8:
+            @njit(nogil=True)
+            def k(xq, xs, data, scale, wsum, out, nb0, nb1):
+                KM._gemm_int8(xq, xs, data, scale, out, nb0, nb1, pf)
+        elif scheme is QuantScheme.INT4:
+            @njit(nogil=True)
+            def k(xq, xs, data, scale, group_size, out, nb0, nb1):
+                KM._gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, pf)
+        else:
+            @njit(nogil=True)
+            def k(xb, data, out, nb0, nb1):
+                KM._gemm_bf16(xb, data, out, nb0, nb1, pf)
+        return k
+
+    return {"gemm_pf": make(True), "gemm_nopf": make(False)}
 
 
 def _amx_variants(scheme):
@@ -328,10 +345,11 @@ def main(argv=None):
             if variant == "amx":
                 for name, k in _amx_variants(scheme).items():
                     vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(kv, k)) for L in layers]
-            if variant in ("avx512_vnni", "avx512_bf16") and (
-                    scheme is not QuantScheme.BF16 or variant == "avx512_bf16"):
-                for name, k in _avx512_gemm_variants(scheme).items():
-                    vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(kv, k)) for L in layers]
+            # variant=: the gemv/gemm switch of the layer's own variant (a custom pair gets the
+            # generic one, which differs below AVX-512 and would confound small T)
+            for name, k in _vector_gemm_variants(scheme, variant).items():
+                vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(kv, k), variant=L.variant)
+                               for L in layers]
             if scheme is QuantScheme.INT4 and variant in ("amx", "avx512_vnni", "avx512_bf16"):
                 for name, k in _int4_gemv_variants().items():
                     vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(k, km)) for L in layers]

@@ -15,7 +15,7 @@ CPUs kt targets an unaligned access to an aligned address costs nothing, and pac
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
@@ -24,7 +24,7 @@ __all__ = [
     # memory
     "load_i8x64", "load_i16x32", "load_i32x16", "load_f32x16",
     "load_i8x32", "load_i16x16", "load_i32x8", "load_f32x8",
-    "bcast4_i32x16", "bcast4_i32x8", "store", "prefetch", "prefetch_l2",
+    "bcast4_i32x16", "bcast4_i32x8", "store", "prefetch", "prefetch_l2", "pf_next",
     # constants / broadcast of scalars
     "splat_i32x16", "splat_f32x16", "splat_i32x8", "splat_f32x8", "splat_i16x16", "splat_i8x32",
     # bit casts
@@ -365,3 +365,20 @@ def pmaddwd256(typingctx, a, b):
     def codegen(context, builder, sig, args):
         return _call(builder, "llvm.x86.avx2.pmadd.wd", _ll(I32x8), list(args))
     return I32x8(a, b), codegen
+
+
+# ----------------------------------------------------------------------------- kernel helpers
+
+@njit(nogil=True, inline="always")
+def pf_next(data, base, j, ppl, end, le):
+    """Prefetch into L2 the part of the next weight group that this m tile brings in: ppl lines
+    (of le elements) per k step from ``base``, skipping what lies at or past ``end``.
+
+    The gemm kernels sweep a group of 1-4 blocks once per token tile; only the first tile finds
+    its lines in memory, the others in L2. Tile t of a group fetches the next group's lines
+    [t * ppl * lines, (t + 1) * ppl * lines), so the next group is in L2 when its first tile starts
+    (ppl = ceil(blocks per group / tiles), 1 from four tiles on)."""
+    for q in range(ppl):
+        a = base + (j * ppl + q) * le
+        if a < end:
+            prefetch_l2(data, a)

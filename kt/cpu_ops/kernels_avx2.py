@@ -27,7 +27,7 @@ from numba import njit
 from . import cache
 from ._simd import (
     as_f32x8, as_i8x32, bcast4_i32x8, cvt_i32_f32, load_f32x8, load_i8x32, load_i32x8,
-    pmaddubsw256, pmaddwd256, splat_f32x8, splat_i16x16, splat_i32x8, store, vabs_i8, vadd,
+    pf_next, pmaddubsw256, pmaddwd256, splat_f32x8, splat_i16x16, splat_i32x8, store, vabs_i8, vadd,
     vand, vfma, vmul, vsign_i8, vsll, vsrl, vsub)
 from .actquant import group_sums
 from .tiling import gemm_m_chunk
@@ -89,27 +89,36 @@ def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
 @njit(nogil=True, cache=True)
 def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     """INT8 large-M GEMM (AVX2), 4 tokens x 1 block per step. Arguments as gemv_int8."""
-    m_count = xq.shape[0]
-    mc = gemm_m_chunk(m_count, xq.shape[1])
-    for c0 in range(0, m_count, mc):
-        _gemm_int8_rows(xq, xs, data, scale, out, nb0, nb1, c0, min(c0 + mc, m_count))
+    _gemm_int8(xq, xs, data, scale, out, nb0, nb1, True)
 
 
 @njit(nogil=True, cache=True)
-def _gemm_int8_rows(xq, xs, data, scale, out, nb0, nb1, m_lo, m_hi):
+def _gemm_int8(xq, xs, data, scale, out, nb0, nb1, pf):
+    # pf: the first token tile of a block prefetches the next block into L2 (_simd.pf_next)
+    m_count = xq.shape[0]
+    mc = gemm_m_chunk(m_count, xq.shape[1])
+    for c0 in range(0, m_count, mc):
+        _gemm_int8_rows(xq, xs, data, scale, out, nb0, nb1, c0, min(c0 + mc, m_count), pf)
+
+
+@njit(nogil=True, cache=True)
+def _gemm_int8_rows(xq, xs, data, scale, out, nb0, nb1, m_lo, m_hi, pf):
     lines = data.shape[1]
     blk = lines * 64
     xrow = xq.strides[0]
     orow = out.strides[0] // 4
     ones = splat_i16x16(1)
     last = m_hi - 1
+    ppl = 1 if pf else 0
     for b in range(nb0, nb1):
         p = b * blk
+        nend = min(b + 2, nb1) * blk
         for m0 in range(m_lo, m_hi, 4):
             m1 = min(m0 + 1, last)
             m2 = min(m0 + 2, last)
             m3 = min(m0 + 3, last)
             x0, x1, x2, x3 = m0 * xrow, m1 * xrow, m2 * xrow, m3 * xrow
+            nxt = (b + 1) * blk if m0 == m_lo else nend
             c0l = splat_i32x8(0)
             c0h = c0l
             c1l = c0l
@@ -119,6 +128,7 @@ def _gemm_int8_rows(xq, xs, data, scale, out, nb0, nb1, m_lo, m_hi):
             c3l = c0l
             c3h = c0l
             for j in range(lines):
+                pf_next(data, nxt, j, ppl, nend, 64)
                 o = p + 64 * j
                 wl = load_i8x32(data, o)
                 wh = load_i8x32(data, o + 32)
@@ -214,16 +224,22 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
 @njit(nogil=True, cache=True)
 def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """INT4 large-M GEMM (AVX2), 2 tokens x 1 block per step. Arguments as gemv_int4."""
+    _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, True)
+
+
+@njit(nogil=True, cache=True)
+def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, pf):
+    # pf: as _gemm_int8
     m_count = xq.shape[0]
     xsum = group_sums(xq, group_size, xq.shape[1])
     mc = gemm_m_chunk(m_count, xq.shape[1])
     for c0 in range(0, m_count, mc):
         _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, c0,
-                        min(c0 + mc, m_count))
+                        min(c0 + mc, m_count), pf)
 
 
 @njit(nogil=True, cache=True)
-def _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, m_lo, m_hi):
+def _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, m_lo, m_hi, pf):
     lines = data.shape[1]
     d_pad = lines * 8
     blk = lines * 64
@@ -235,11 +251,14 @@ def _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, m_lo, 
     nib = splat_i32x8(_NIB)
     ones = splat_i16x16(1)
     last = m_hi - 1
+    ppl = 1 if pf else 0
     for b in range(nb0, nb1):
         p = b * blk
+        nend = min(b + 2, nb1) * blk
         for m0 in range(m_lo, m_hi, 2):
             m1 = min(m0 + 1, last)
             x0, x1 = m0 * xrow, m1 * xrow
+            nxt = (b + 1) * blk if m0 == m_lo else nend
             f0l = splat_f32x8(0.0)
             f0h = f0l
             f1l = f0l
@@ -250,6 +269,7 @@ def _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, m_lo, 
                 c1l = c0l
                 c1h = c0l
                 for j in range(g * gl, (g + 1) * gl):
+                    pf_next(data, nxt, j, ppl, nend, 64)
                     o = p + 64 * j
                     w = load_i32x8(data, o)
                     lol = vand(w, nib)
@@ -333,27 +353,36 @@ def gemv_bf16(xb, data, out, nb0, nb1):
 @njit(nogil=True, cache=True)
 def gemm_bf16(xb, data, out, nb0, nb1):
     """BF16 large-M GEMM (AVX2 FMA), 4 tokens x 1 block per step. Arguments as gemv_bf16."""
-    m_count = xb.shape[0]
-    mc = gemm_m_chunk(m_count, 2 * xb.shape[1])
-    for c0 in range(0, m_count, mc):
-        _gemm_bf16_rows(xb, data, out, nb0, nb1, c0, min(c0 + mc, m_count))
+    _gemm_bf16(xb, data, out, nb0, nb1, True)
 
 
 @njit(nogil=True, cache=True)
-def _gemm_bf16_rows(xb, data, out, nb0, nb1, m_lo, m_hi):
+def _gemm_bf16(xb, data, out, nb0, nb1, pf):
+    # pf: as _gemm_int8
+    m_count = xb.shape[0]
+    mc = gemm_m_chunk(m_count, 2 * xb.shape[1])
+    for c0 in range(0, m_count, mc):
+        _gemm_bf16_rows(xb, data, out, nb0, nb1, c0, min(c0 + mc, m_count), pf)
+
+
+@njit(nogil=True, cache=True)
+def _gemm_bf16_rows(xb, data, out, nb0, nb1, m_lo, m_hi, pf):
     lines = data.shape[1]
     blk = lines * 32
     xrow = xb.strides[0] // 2
     orow = out.strides[0] // 4
     hi = splat_i32x8(_HI16)
     last = m_hi - 1
+    ppl = 1 if pf else 0
     for b in range(nb0, nb1):
         p = b * blk
+        nend = min(b + 2, nb1) * blk
         for m0 in range(m_lo, m_hi, 4):
             m1 = min(m0 + 1, last)
             m2 = min(m0 + 2, last)
             m3 = min(m0 + 3, last)
             x0, x1, x2, x3 = m0 * xrow, m1 * xrow, m2 * xrow, m3 * xrow
+            nxt = (b + 1) * blk if m0 == m_lo else nend
             c0l = splat_f32x8(0.0)
             c0h = c0l
             c1l = c0l
@@ -363,6 +392,7 @@ def _gemm_bf16_rows(xb, data, out, nb0, nb1, m_lo, m_hi):
             c3l = c0l
             c3h = c0l
             for j in range(lines):
+                pf_next(data, nxt, j, ppl, nend, 32)
                 o = p + 32 * j
                 w = load_i32x8(data, o)
                 wel = as_f32x8(vsll(w, 16))

@@ -16,7 +16,7 @@ Every kernel follows kt/cpu_ops/README.md: it reads one packed weight (packing.p
   memory once per chunk. A group whose blocks run past nb1 repeats the last block
   (min(b, nb1 - 1)) and a token tile past M the last token: the same values are computed and
   stored twice, which is harmless and keeps one code path. While a group is swept, its token
-  tiles prefetch the next group into L2 (``_pf_next``): only the first tile of a group read its
+  tiles prefetch the next group into L2 (``_simd.pf_next``): only the first tile of a group read its
   lines from memory, stalled on them, and at the layer's 8-32 rows per expert that was most of the
   time (Zen 4, one thread, cold: INT8 M=8 / 32 / 128 1.34-1.61x / 1.08-1.15x / 1.02x faster).
 
@@ -34,9 +34,9 @@ from numba import njit
 
 from . import cache
 from ._simd import (
-    bcast4_i32x16, cvt_i32_f32, dpbf16ps512, load_f32x16,
-    load_i32x16, prefetch, prefetch_l2, splat_f32x16, splat_i32x16, store, vadd, vand, vfma, vmul, vpdpbusd512, vsll,
-    vsra, vsrl, vsub, vxor)
+    bcast4_i32x16, cvt_i32_f32, dpbf16ps512, load_f32x16, load_i32x16, pf_next, prefetch,
+    splat_f32x16, splat_i32x16, store, vadd, vand, vfma, vmul, vpdpbusd512, vsll, vsra, vsrl, vsub,
+    vxor)
 from .actquant import group_sums
 from .tiling import gemm_m_chunk
 
@@ -67,21 +67,6 @@ def _int8_epilogue(acc, wsum, scale, xsm, out, o):
     acc = vsub(acc, vsll(load_i32x16(wsum, n0), 7))
     f = vmul(cvt_i32_f32(acc), vmul(load_f32x16(scale, n0), splat_f32x16(xsm)))
     store(out, o[0] + n0, f)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _pf_next(data, base, j, ppl, end, le):
-    """Prefetch into L2 the part of the next weight group that this m tile brings in: ppl lines
-    (of le elements) per k step from ``base``, skipping what lies at or past ``end``.
-
-    The gemm kernels sweep a group of 2-4 blocks once per 4-token tile; only the first tile finds
-    its lines in memory, the others in L2. Tile t of a group fetches the next group's lines
-    [t * ppl * lines, (t + 1) * ppl * lines), so the next group is in L2 when its first tile starts
-    (ppl = ceil(blocks per group / tiles), 1 from four tiles on)."""
-    for q in range(ppl):
-        a = base + (j * ppl + q) * le
-        if a < end:
-            prefetch_l2(data, a)
 
 
 @njit(nogil=True, cache=True)
@@ -122,7 +107,7 @@ def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
 
 @njit(nogil=True, cache=True)
 def _gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1, pf):
-    # pf: prefetch the next block group into L2 (_pf_next); False only for side-by-side timing
+    # pf: prefetch the next block group into L2 (_simd.pf_next); False only for side-by-side timing
     m_count = xq.shape[0]
     xu = _offset_rows(xq)
     mc = gemm_m_chunk(m_count, xu.shape[1])
@@ -167,7 +152,7 @@ def _gemm_int8_rows(xu, xs, data, scale, wsum, out, nb0, nb1, m_lo, m_hi, pf):
             c32 = c00
             c33 = c00
             for j in range(lines):
-                _pf_next(data, nxt, j, ppl, nend, 64)
+                pf_next(data, nxt, j, ppl, nend, 64)
                 o = 64 * j
                 w0 = load_i32x16(data, p0 + o)
                 w1 = load_i32x16(data, p1 + o)
@@ -366,7 +351,7 @@ def _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, m_lo, 
                 c30 = c00
                 c31 = c00
                 for j in range(g * gl, (g + 1) * gl):
-                    _pf_next(data, nxt, j, ppl, nend, 64)
+                    pf_next(data, nxt, j, ppl, nend, 64)
                     o = 64 * j
                     w = load_i32x16(data, p0 + o)
                     l0 = vand(w, nib)
@@ -510,7 +495,7 @@ def _gemm_bf16_rows(xb, data, out, nb0, nb1, m_lo, m_hi, pf):
             c32 = c00
             c33 = c00
             for j in range(lines):
-                _pf_next(data, nxt, j, ppl, nend, 32)
+                pf_next(data, nxt, j, ppl, nend, 32)
                 o = 32 * j
                 w0 = load_i32x16(data, p0 + o)
                 w1 = load_i32x16(data, p1 + o)

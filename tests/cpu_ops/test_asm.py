@@ -60,6 +60,8 @@ def test_vnni_kernels_use_vpdpbusd(name):
     asm = _asm(getattr(k, name), _int_args(name.split("_")[1]))
     assert "vpdpbusd" in asm and "zmm" in asm
     assert ("prefetcht0" in asm) == name.endswith(("_pf", "_pfl")), name
+    # the gemm kernels prefetch the next block group into L2 (_simd.pf_next)
+    assert ("prefetcht1" in asm) == name.startswith("gemm"), name
 
 
 @pytest.mark.skipif("avx512_bf16" not in isa.runnable_variants(),
@@ -70,6 +72,7 @@ def test_bf16_kernels_use_vdpbf16ps(name):
 
     asm = _asm(getattr(k, name), _int_args("bf16"))
     assert "vdpbf16ps" in asm
+    assert ("prefetcht1" in asm) == name.startswith("gemm"), name
 
 
 _HASWELL_SCRIPT = textwrap.dedent("""
@@ -99,6 +102,8 @@ _HASWELL_SCRIPT = textwrap.dedent("""
             assert "vpmaddubsw" in asm or "vfmadd" in asm, (scheme, op)
             bad = sorted(set(re.findall(r"%zmm\\d+|%ymm(?:1[6-9]|2\\d|3[01])|%k[1-7]\\b", asm)))
             assert not bad, (scheme, op, bad[:5])
+            # the gemm kernels prefetch the next weight block into L2 (_simd.pf_next)
+            assert ("prefetcht1" in asm) == (op == "gemm"), (scheme, op)
             print("ok", scheme, op)
 """)
 
