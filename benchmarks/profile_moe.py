@@ -376,6 +376,9 @@ def main(argv=None):
                 for L in fine:
                     L.blocks_per_task = (0, bpt)
                 vars_[f"d{bpt}"] = fine
+            # the gemv/gemm switch one row higher (gemv for one more expert size)
+            gv_up = [CPUMoE(L.w13, L.w2, pool=pool, gemv_max=L.gemv_max + 1) for L in layers]
+            vars_["gvmax+1"] = gv_up
             # phase-by-phase decode (before the pipelined order: all-thread barriers between
             # gate+up, act and down)
             nopipe = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
@@ -387,8 +390,9 @@ def main(argv=None):
                 vars_ = {n: v for n, v in vars_.items() if n in keep}
             for T in a.variant_T:
                 # the fixed fine decode tasks only mean something at decode-sized T
-                vt = {n: v for n, v in vars_.items() if T <= 64 or not (n.startswith("bpt") or n.startswith("i4pf")
-                                                                    or n in ("nopipe", "d4", "d8"))}
+                decode_only = ("nopipe", "d4", "d8", "gvmax+1")
+                vt = {n: v for n, v in vars_.items()
+                      if T <= 64 or not (n.startswith(("bpt", "i4pf")) or n in decode_only)}
                 res = interleaved(vt, T, 6 if T >= 512 else (100 if T <= 8 else 20), rng, a.shape)
                 for n, v in res.items():
                     rows.append({"part": "variants", "scheme": sname, "T": T, "variant": n, **v})

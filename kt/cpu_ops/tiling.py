@@ -35,9 +35,10 @@ def gemv_max_m(scheme: QuantScheme | str, variant: str) -> int:
 
     gemv streams one weight block at a time and loops over the tokens inside it (lines re-read
     from L1/L2 for the next token); gemm's 4-token tile reads each line once per 4 tokens but
-    computes padding tokens when M < 4. AVX-512: gemv wins only at M = 1 (INT4, whose nibble
-    unpacking gemm repeats per tile, up to 2). AVX2 kernels (also what the avx512 variant and
-    BF16 below avx512_bf16 run): INT8 up to 3, BF16 up to 2, INT4 1. AMX: its own kernels, 4.
+    computes padding tokens when M < 4. AVX-512: gemv wins only at M = 1 (INT4 was up to 2 until
+    the gemm kernels prefetched their next block group: cold, M=2 gemm 77 us vs gemv 107). AVX2
+    kernels (also what the avx512 variant and BF16 below avx512_bf16 run): INT8 up to 3, BF16 up
+    to 2, INT4 1. AMX: its own kernels, 4.
     """
     scheme = QuantScheme.parse(scheme)
     if variant == "amx":
@@ -46,7 +47,7 @@ def gemv_max_m(scheme: QuantScheme | str, variant: str) -> int:
         scheme is QuantScheme.BF16 and variant != "avx512_bf16")
     if avx2_kernels:
         return {QuantScheme.INT8: 3, QuantScheme.INT4: 1, QuantScheme.BF16: 2}[scheme]
-    return 2 if scheme is QuantScheme.INT4 else 1
+    return 1
 
 
 @dataclass(frozen=True)
