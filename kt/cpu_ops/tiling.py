@@ -34,20 +34,14 @@ def gemv_max_m(scheme: QuantScheme | str, variant: str) -> int:
     """Largest M for which ``gemv`` beats ``gemm`` (measured: 1536 x 2048, one thread, Zen 4).
 
     gemv streams one weight block at a time and loops over the tokens inside it (lines re-read
-    from L1/L2 for the next token); gemm's 4-token tile reads each line once per 4 tokens but
-    computes padding tokens when M < 4. AVX-512: gemv wins only at M = 1 (INT4 was up to 2 until
-    the gemm kernels prefetched their next block group: cold, M=2 gemm 77 us vs gemv 107). AVX2
-    kernels (also what the avx512 variant and BF16 below avx512_bf16 run): INT8 up to 3, BF16 up
-    to 2, INT4 1. AMX: its own kernels, 4.
+    from L1/L2 for the next token); gemm's token tile reads each line once per tile but computes
+    padding tokens when M is below the tile. Since the gemm kernels prefetch their next weight
+    group (_simd.pf_next), gemm wins from M = 2 on AVX-512 and AVX2 alike (cold, M=2, gemm vs
+    gemv: AVX-512 INT8 122 vs 151 us, INT4 77 vs 107, BF16 225 vs 283; AVX2 INT8 179 vs 199, INT4
+    66 vs 141, BF16 248 vs 357). AMX: its own kernels, 4.
     """
-    scheme = QuantScheme.parse(scheme)
-    if variant == "amx":
-        return 4
-    avx2_kernels = variant in ("avx2", "avx512") or (
-        scheme is QuantScheme.BF16 and variant != "avx512_bf16")
-    if avx2_kernels:
-        return {QuantScheme.INT8: 3, QuantScheme.INT4: 1, QuantScheme.BF16: 2}[scheme]
-    return 1
+    QuantScheme.parse(scheme)
+    return 4 if variant == "amx" else 1
 
 
 @dataclass(frozen=True)

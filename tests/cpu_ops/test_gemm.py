@@ -219,7 +219,9 @@ def test_tiling_choice():
 
     assert tiling.choose(1, 1536, 2048, "int8", "avx512_vnni").op == "gemv"
     assert tiling.choose(512, 1536, 2048, "int8", "avx512_vnni").op == "gemm"
-    assert tiling.choose(3, 768, 2048, "int8", "avx2").op == "gemv"
+    assert tiling.choose(1, 768, 2048, "int8", "avx2").op == "gemv"
+    assert tiling.choose(2, 768, 2048, "int8", "avx2").op == "gemm"
+    assert tiling.choose(4, 768, 2048, "int8", "amx").op == "gemv"
     assert tiling.choose(2, 768, 2048, "int8", "avx512_vnni").op == "gemm"
     assert tiling.choose(512, 768, 2048, "bf16", "avx2", op="gemv").op == "gemv"  # override
     t = tiling.choose(7, 1408, 2048, "int8", "avx512_bf16", threads=2)
