@@ -26,9 +26,9 @@ from numba import njit
 
 from . import cache
 from ._simd import (
-    as_f32x8, as_i8x32, bcast4_i32x8, cvt_i32_f32, load_f32x8, load_i8x32, load_i32x8,
-    pf_next, pmaddubsw256, pmaddwd256, splat_f32x8, splat_i16x16, splat_i32x8, store, vabs_i8, vadd,
-    vand, vfma, vmul, vsign_i8, vsll, vsrl, vsub)
+    as_f32x8, as_i8x32, bcast4_i32x8, cvt_i32_f32, load_f32x8, load_i8x32, load_i32x8, pf_next,
+    pmaddubsw256, pmaddwd256, prefetch, splat_f32x8, splat_i16x16, splat_i32x8, store, vabs_i8,
+    vadd, vand, vfma, vmul, vsign_i8, vsll, vsrl, vsub)
 from .actquant import group_sums
 from .tiling import gemm_m_chunk
 
@@ -173,7 +173,10 @@ def _i4_group(f, acc, corr, scale, si):
 
 @njit(nogil=True, cache=True)
 def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
-    """INT4 small-M GEMM (AVX2). Arguments as kernels_avx512.gemv_int4."""
+    """INT4 small-M GEMM (AVX2). Arguments as kernels_avx512.gemv_int4.
+
+    Prefetches every packed line 4 KB ahead (as kernels_avx512.gemv_int4_pfl): one thread on the
+    Zen 4 dev machine, 1536 x 2048 cold, 30.1 vs 24.9 GB/s without."""
     m_count = xq.shape[0]
     lines = data.shape[1]
     d_pad = lines * 8
@@ -186,6 +189,7 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     nib = splat_i32x8(_NIB)
     ones = splat_i16x16(1)
     xsum = group_sums(xq, group_size, d_pad)
+    last = data.size - 1
     for b in range(nb0, nb1):
         p = b * blk
         for m in range(m_count):
@@ -200,6 +204,8 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
                 for j in range(g * gl, (g + 1) * gl, 2):
                     o = p + 64 * j
                     k = xo + 8 * j
+                    prefetch(data, min(o + 4096, last))
+                    prefetch(data, min(o + 4160, last))
                     xlo = bcast4_i32x8(xq, k)
                     xhi = bcast4_i32x8(xq, k + 4)
                     w = load_i32x8(data, o)

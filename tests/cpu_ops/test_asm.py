@@ -104,6 +104,8 @@ _HASWELL_SCRIPT = textwrap.dedent("""
             assert not bad, (scheme, op, bad[:5])
             # the gemm kernels prefetch the next weight block into L2 (_simd.pf_next)
             assert ("prefetcht1" in asm) == (op == "gemm"), (scheme, op)
+            # the INT4 gemv prefetches every line 4 KB ahead
+            assert ("prefetcht0" in asm) == ((scheme, op) == ("int4", "gemv")), (scheme, op)
             print("ok", scheme, op)
 """)
 
