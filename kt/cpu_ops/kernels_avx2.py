@@ -171,6 +171,9 @@ def _i4_group(f, acc, corr, scale, si):
     return vfma(cvt_i32_f32(vsub(acc, corr)), load_f32x8(scale, si), f)
 
 
+INT4_PF_AHEAD = 4096  # bytes of packed lines gemv_int4 prefetches ahead (every line)
+
+
 @njit(nogil=True, cache=True)
 def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """INT4 small-M GEMM (AVX2). Arguments as kernels_avx512.gemv_int4.
@@ -204,8 +207,8 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
                 for j in range(g * gl, (g + 1) * gl, 2):
                     o = p + 64 * j
                     k = xo + 8 * j
-                    prefetch(data, min(o + 4096, last))
-                    prefetch(data, min(o + 4160, last))
+                    prefetch(data, min(o + INT4_PF_AHEAD, last))
+                    prefetch(data, min(o + 64 + INT4_PF_AHEAD, last))
                     xlo = bcast4_i32x8(xq, k)
                     xhi = bcast4_i32x8(xq, k + 4)
                     w = load_i32x8(data, o)

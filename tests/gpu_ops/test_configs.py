@@ -63,19 +63,12 @@ def test_table_name():
     (dict(num_warps=3), "num_warps"),
     (dict(num_stages=0), "num_stages"),
     (dict(group_m=0), "group_m"),
-])
-def test_config_validation(bad, match):
-    with pytest.raises(ValueError, match=match):
-        MoEConfig(**bad)
-
-
-@pytest.mark.parametrize("bad,match", [
     (dict(down_block_n=48), "down_block_n must be a power of two"),
     (dict(down_num_warps=3), "down_num_warps"),
     (dict(down_num_stages=9), "down_num_stages"),
     (dict(down_group_m=0), "down_group_m"),
 ])
-def test_down_config_validation(bad, match):
+def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         MoEConfig(**bad)
 
