@@ -289,10 +289,9 @@ def main():
     from triton.testing import do_bench
     torch.backends.cuda.matmul.allow_tf32 = False
     m = 8192
-    aa = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    bb = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * m ** 3 / (do_bench(lambda: torch.matmul(aa, bb), warmup=30, rep=200, return_mode="median") * 1e-3)
-    del aa, bb
+    mats = [torch.randn(m, m, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    peak = 2 * m ** 3 / (do_bench(lambda: torch.matmul(*mats), warmup=30, rep=200, return_mode="median") * 1e-3)
+    mats.clear()
     print(f"bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
     res = dict(peak_bf16=peak, cases=[])
     cases = [("qwen3 S=32 T=4096", dict(T=4096, E=128, S=32, K=8, H=2048, I=768)),
