@@ -95,9 +95,10 @@ def interleaved(variants, T, reps, rng, shape):
 def _int4_gemv_variants():
     """The AVX-512 VNNI INT4 gemv with a software prefetch of its packed lines, by name (contract
     signatures), all the library's own body (``kernels_avx512._gemv_int4``): every other line
-    512 B / 2 KB ahead (``i4pf512``, ``i4pf2k``: 2 KB is ``gemv_int4_pf``, the AMX hosts' default),
-    every line 2 KB / 4 KB ahead (``i4pfl2k``, ``i4pfl4k``: 4 KB is ``gemv_int4_pfl``, the AVX-512
-    hosts' default). Each row compares with the host's default kernel."""
+    512 B / 2 KB ahead (``i4pf512``, ``i4pf2k``: 2 KB is ``gemv_int4_pf``, the AMX hosts' kernel
+    until session 7), every line 2 KB / 4 KB ahead (``i4pfl2k``, ``i4pfl4k``: 4 KB is
+    ``gemv_int4_pfl``, the default on AVX-512 and AMX hosts). Each row compares with the host's
+    default kernel."""
     from kt.cpu_ops import kernels_avx512 as KV
 
     @njit(nogil=True)

@@ -24,14 +24,12 @@ register("gemm", S.BF16, "amx", f"{_M}.kernels_amx:gemm_bf16")
 # 0.21 vs 0.32 ms (BF16: AMX 0.79 vs 0.86 ms), so it is preferred where both run.
 register("gemv", S.INT8, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int8", priority=1)
 register("gemm", S.INT8, "avx512_vnni", f"{_M}.kernels_avx512:gemm_int8")
-# The INT4 gemv prefetches its packed lines. Every line 4 KB ahead on AVX-512 hosts: on the Zen 4
-# dev machine (qwen3 layer, interleaved, min ms) T=1 0.70 vs 0.79 on one thread, T=4 / 8 1.54 /
-# 2.91 vs 1.63 / 3.10 on two (results/profile_moe_s6_dev_i4pfl_t*.json). Every other line 2 KB
-# ahead on AMX hosts (an AMX host runs AVX-512 VNNI): on the 16-core Emerald Rapids T=1 0.26 vs
-# 0.28 ms, T=4 0.79 vs 0.91 against no prefetch (results/profile_moe_s5_run8_i4pf.json); on Zen 4
-# that one is 10-20 % slower. Each is measured on its own machine only.
+# The INT4 gemv prefetches every packed line 4 KB ahead, on AMX hosts too (an AMX host runs AVX-512
+# VNNI). Zen 4 dev machine (qwen3 layer, interleaved, min ms): T=1 0.70 vs 0.79 on one thread, T=4 / 8
+# 1.54 / 2.91 vs 1.63 / 3.10 on two (results/profile_moe_s6_dev_i4pfl_t*.json). 16-core Emerald
+# Rapids, 16 threads: T=1 0.18 vs 0.20, T=4 0.55 vs 0.65 against every other line 2 KB ahead
+# (gemv_int4_pf, the AMX hosts' kernel before; results/profile_moe_s7_run1_i4pfl.json).
 register("gemv", S.INT4, "avx512_vnni", f"{_M}.kernels_avx512:gemv_int4_pfl", priority=1)
-register("gemv", S.INT4, "amx", f"{_M}.kernels_avx512:gemv_int4_pf", priority=2)
 register("gemm", S.INT4, "avx512_vnni", f"{_M}.kernels_avx512:gemm_int4")
 register("gemv", S.BF16, "avx512_bf16", f"{_M}.kernels_avx512:gemv_bf16")
 register("gemm", S.BF16, "avx512_bf16", f"{_M}.kernels_avx512:gemm_bf16")
