@@ -15,8 +15,8 @@ Variants (flags of the probe's own kernels, which otherwise follow kt/gpu_ops/_k
   grid persistent (4 programs per SM, as kt) or one program per tile.
 - gate+up: CAT (gate and up columns of a tile in one [block_k, 2 block_n] operand and one dot, split
   after), EVEN, TRANS_B.
-Times are CUDA-graph replays with L2 flushed between them (triton do_bench), min and median of rounds
-interleaved variant by variant; fractions are of the bf16 matmul rate measured in the same run.
+Times are eager launches with L2 flushed between them (triton do_bench medians; a few us of launch cost
+against 100+ us kernels), min and median of rounds interleaved variant by variant; fractions are of the bf16 matmul rate measured in the same run.
 """
 from __future__ import annotations
 
@@ -317,7 +317,7 @@ def main():
         errs = {}
         for bm, c in per_bm.items():
             errs.update(dict(check(c, DOWN_VARIANTS, GU_VARIANTS)))
-        graphs = {}
+        fns = {}
         for kind, vs in (("down", DOWN_VARIANTS), ("gate_up", GU_VARIANTS)):
             for v in vs:
                 c = per_bm[v["BM"]]
@@ -330,30 +330,25 @@ def main():
                     hb = torch.empty_like(c["hb"])
                     fn = (lambda v=v, c=c, hb=hb, prog=prog: run_gate_up(v, c["x"], c["w13"], c["sid"], c["bsl"],
                                                                          c["npad"], c["K"], hb, prog))
-                try:
-                    fn()
-                    torch.cuda.synchronize()
-                    s = torch.cuda.Stream()
-                    gr = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(gr, stream=s):
-                        fn()
-                    graphs[(kind, name_of(v))] = (gr, c["flops_down" if kind == "down" else "flops_gu"])
-                except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
-                    print(f"  {kind} {name_of(v)}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-        times = {k: [] for k in graphs}
-        for _ in range(a.rounds):
-            for k, (gr, _) in graphs.items():
-                times[k].append(do_bench(gr.replay, warmup=3, rep=20, return_mode="median") * 1e3)
+                fns[(kind, name_of(v))] = (fn, c["flops_down" if kind == "down" else "flops_gu"])
+        # eager launches (a few us of Python against 100+ us kernels), L2 flushed by do_bench
+        times = {k: [] for k in fns}
+        for r in range(a.rounds):
+            for k, (fn, _) in fns.items():
+                if r == 0:
+                    print(f"  timing {k}", flush=True)
+                times[k].append(do_bench(fn, warmup=3, rep=25, return_mode="median") * 1e3)
+                torch.cuda.synchronize()
         rows = []
         for (kind, name), ts in times.items():
-            fl = graphs[(kind, name)][1]
+            fl = fns[(kind, name)][1]
             r = dict(kind=kind, variant=name, min_us=min(ts), median_us=sorted(ts)[len(ts) // 2],
                      of_peak=fl / (min(ts) * 1e-6) / peak, rel_err_vs_kt=errs.get(f"{kind} {name}"))
             rows.append(r)
             print(f"{label} {kind:7s} {name:42s} min {r['min_us']:8.1f} us med {r['median_us']:8.1f} "
                   f"{r['of_peak'] * 100:5.1f} % of bf16 peak  err {r['rel_err_vs_kt']:.1e}", flush=True)
         res["cases"].append(dict(label=label, **sh, rows=rows))
-        del graphs, per_bm
+        del fns, per_bm
         torch.cuda.empty_cache()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
