@@ -11,6 +11,10 @@ a fixed grid (about a few programs per SM) loops over the tiles of the row block
 `num_padded` on the device, so nothing is read back to the host and no program is spent on the
 worst-case padding of the grid (most token-slots of a hybrid layer are on the CPU).
 
+Offsets inside one expert's weights (and scales) are 32-bit, with the expert's base and every activation
+row offset in 64 bits: 64-bit, clamped (tl.where) column offsets made the T=4096 GEMMs 1.6-3x slower on
+the H200 (benchmarks/gpu_prefill_probe.py). The wrapper checks that one expert spans < 2**31 elements.
+
 Compute dtype code CT: 0 fp32, 1 fp16, 2 bf16. UPCAST (interpreter only) does every dot in fp32, because
 the interpreter keeps bf16 as raw bits and a bf16 tl.dot there is silently wrong.
 """
@@ -44,19 +48,20 @@ def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, row_mask, H, stride_xh, stride_wh,
+def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, row_mask, col_mask, H, stride_xh, stride_wh,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  CT: tl.constexpr, UPCAST: tl.constexpr):
     """Gate and up accumulators [ROWS, BLOCK_N] of the gathered activation rows (a_ptrs, rows where
-    row_mask) against the weight tiles (g_ptrs / u_ptrs: [BLOCK_K, BLOCK_N]), over all of H."""
+    row_mask) against the weight tiles (g_ptrs / u_ptrs: [BLOCK_K, BLOCK_N], columns where
+    col_mask), over all of H."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(H, BLOCK_K)):
         k_mask = offs_k < H - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        bg = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
-        bu = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
+        bg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        bu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         a = _cast(a, CT, UPCAST)
         acc_g = tl.dot(a, _cast(bg, CT, UPCAST), acc_g)
         acc_u = tl.dot(a, _cast(bu, CT, UPCAST), acc_u)
@@ -67,11 +72,12 @@ def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, row_mask, H, stride_xh, stride_wh,
 
 
 @triton.jit
-def _silu_up(acc_g, acc_u, s13_ptr, slot, offs_nc, I, stride_se, stride_sn, INT8_W: tl.constexpr):
-    """silu(gate) * up, the int8 weights' per-row scales applied first (slot: int64)."""
+def _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n, n_mask, I, stride_se, stride_sn, INT8_W: tl.constexpr):
+    """silu(gate) * up, the int8 weights' per-row scales applied first (slot: int64; columns
+    offs_n where n_mask)."""
     if INT8_W:
-        acc_g = acc_g * tl.load(s13_ptr + slot * stride_se + offs_nc * stride_sn)
-        acc_u = acc_u * tl.load(s13_ptr + slot * stride_se + (offs_nc + I) * stride_sn)
+        acc_g = acc_g * tl.load(s13_ptr + slot * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)
+        acc_u = acc_u * tl.load(s13_ptr + slot * stride_se + (offs_n + I) * stride_sn, mask=n_mask, other=0.0)
     return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
 
 
@@ -103,16 +109,16 @@ def gate_up_kernel(
         tok = tl.where(m_mask, tok_slot // top_k, 0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < I
-        offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
 
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-        g_ptrs = w13_ptr + slot * stride_we + offs_nc[None, :] * stride_wn + offs_k[:, None] * stride_wh
-        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, m_mask, H, stride_xh, stride_wh,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, CT, UPCAST)
-        h = _silu_up(acc_g, acc_u, s13_ptr, slot, offs_nc[None, :], I, stride_se, stride_sn, INT8_W)
+        g_ptrs = w13_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
+        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, m_mask, n_mask, H, stride_xh,
+                                    stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, CT, UPCAST)
+        h = _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n[None, :], n_mask[None, :], I, stride_se, stride_sn,
+                     INT8_W)
         h_ptrs = h_ptr + tl.where(m_mask, tok_slot, 0).to(tl.int64)[:, None] * stride_hm \
-            + offs_nc[None, :] * stride_hi
+            + offs_n[None, :] * stride_hi
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -144,27 +150,26 @@ def down_kernel(
         row = tl.where(m_mask, tok_slot, 0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
-        offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
 
         a_ptrs = h_ptr + row[:, None] * stride_hm + offs_k[None, :] * stride_hi
-        b_ptrs = w2_ptr + slot * stride_we + offs_nc[None, :] * stride_wn + offs_k[:, None] * stride_wi
+        b_ptrs = w2_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wi
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(I, BLOCK_K)):
             k_mask = offs_k < I - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             a = _cast(a, CT, UPCAST)
             b = _cast(b, CT, UPCAST)
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K * stride_hi
             b_ptrs += BLOCK_K * stride_wi
         if INT8_W:
-            s = tl.load(s2_ptr + slot * stride_se + offs_nc * stride_sn)
+            s = tl.load(s2_ptr + slot * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)
             acc = acc * s[None, :]
         rw = tl.load(topk_w_ptr + row, mask=m_mask, other=0.0)
         acc = acc * rw[:, None]
-        y_ptrs = y_ptr + row[:, None] * stride_ym + offs_nc[None, :] * stride_yh
+        y_ptrs = y_ptr + row[:, None] * stride_ym + offs_n[None, :] * stride_yh
         tl.store(y_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -318,15 +323,15 @@ def gate_up_scan_kernel(
         tok = tl.where(mine, offs_p // top_k, 0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < I
-        offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         slot64 = slot.to(tl.int64)
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-        g_ptrs = w13_ptr + slot64 * stride_we + offs_nc[None, :] * stride_wn + offs_k[:, None] * stride_wh
-        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, mine, H, stride_xh, stride_wh,
-                                    NP, BLOCK_N, BLOCK_K, CT, UPCAST)
-        h = _silu_up(acc_g, acc_u, s13_ptr, slot64, offs_nc[None, :], I, stride_se, stride_sn, INT8_W)
-        h_ptrs = h_ptr + tl.where(mine, offs_p, 0).to(tl.int64)[:, None] * stride_hm + offs_nc[None, :] * stride_hi
+        g_ptrs = w13_ptr + slot64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
+        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, mine, n_mask, H, stride_xh,
+                                    stride_wh, NP, BLOCK_N, BLOCK_K, CT, UPCAST)
+        h = _silu_up(acc_g, acc_u, s13_ptr, slot64, offs_n[None, :], n_mask[None, :], I, stride_se, stride_sn,
+                     INT8_W)
+        h_ptrs = h_ptr + tl.where(mine, offs_p, 0).to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hi
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mine[:, None] & n_mask[None, :])
 
 
@@ -355,9 +360,8 @@ def gate_up_pairs_kernel(
         s64 = s.to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < I
-        offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
-        g_ptrs = w13_ptr + s64 * stride_we + offs_nc[:, None] * stride_wn + offs_k[None, :] * stride_wh
+        g_ptrs = w13_ptr + s64 * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wh
         u_ptrs = g_ptrs + I * stride_wn
         acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -365,14 +369,14 @@ def gate_up_pairs_kernel(
             k_mask = offs_k < H - kb * BLOCK_K
             xv = tl.load(x_ptr + t * stride_xt + (kb * BLOCK_K + offs_k) * stride_xh, mask=k_mask, other=0.0)
             xv = _cast(xv, CT, UPCAST).to(tl.float32)
-            g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             acc_g += tl.sum(_cast(g, CT, UPCAST).to(tl.float32) * xv[None, :], 1)
             acc_u += tl.sum(_cast(u, CT, UPCAST).to(tl.float32) * xv[None, :], 1)
             g_ptrs += BLOCK_K * stride_wh
             u_ptrs += BLOCK_K * stride_wh
-        h = _silu_up(acc_g, acc_u, s13_ptr, s64, offs_nc, I, stride_se, stride_sn, INT8_W)
-        tl.store(h_ptr + n * stride_hm + offs_nc * stride_hi, h.to(h_ptr.dtype.element_ty), mask=n_mask)
+        h = _silu_up(acc_g, acc_u, s13_ptr, s64, offs_n, n_mask, I, stride_se, stride_sn, INT8_W)
+        tl.store(h_ptr + n * stride_hm + offs_n * stride_hi, h.to(h_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -396,7 +400,6 @@ def down_tokens_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     kk = tl.arange(0, KP)
     kk_in = kk < TOP_K
@@ -418,11 +421,11 @@ def down_tokens_kernel(
         for kb in range(0, tl.cdiv(I, BLOCK_K)):
             k_mask = (offs_k < I - kb * BLOCK_K) & on_k
             hv = tl.load(h_ptr + n * stride_hm + (kb * BLOCK_K + offs_k) * stride_hi, mask=k_mask, other=0.0)
-            wv = tl.load(w2_ptr + s64 * stride_we + offs_nc[:, None] * stride_wn
+            wv = tl.load(w2_ptr + s64 * stride_we + offs_n[:, None] * stride_wn
                          + (kb * BLOCK_K + offs_k)[None, :] * stride_wi,
                          mask=on_n[:, None] & k_mask[None, :], other=0.0)
             part += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], 1)
         if INT8_W:
-            part = part * tl.load(s2_ptr + s64 * stride_se + offs_nc * stride_sn, mask=on_n, other=0.0)
+            part = part * tl.load(s2_ptr + s64 * stride_se + offs_n * stride_sn, mask=on_n, other=0.0)
         acc += tl.where(on_n, part * rw, 0.0)
-    tl.store(out_ptr + t * stride_ot + offs_nc * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(out_ptr + t * stride_ot + offs_n * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=n_mask)

@@ -157,6 +157,12 @@ def _check(x, topk_ids, topk_weights, expert_to_slot, w13, w2, w13_scale, w2_sca
             raise ValueError(f"fused_moe: scales are only for int8 weights, weights are {w13.dtype}")
     else:
         raise ValueError(f"fused_moe: weights must be bf16/fp16/fp32 or int8, got {w13.dtype}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        # the kernels index inside one expert's weights with 32-bit offsets (64-bit across experts)
+        span = sum((n - 1) * abs(st) for n, st in zip(w.shape[1:], w.stride()[1:]))
+        if span >= 2 ** 31:
+            raise ValueError(f"fused_moe: one expert of {name} spans {span + 1} elements (shape "
+                             f"{tuple(w.shape)}, strides {w.stride()}); the kernels need fewer than 2**31")
     dev = x.device
     named = [("topk_ids", topk_ids), ("topk_weights", topk_weights), ("expert_to_slot", expert_to_slot),
              ("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)]
@@ -197,7 +203,6 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         return out
     if config is not None and not isinstance(config, (MoEConfig, DirectConfig)):
         raise TypeError(f"fused_moe: config must be a MoEConfig or DirectConfig, got {type(config).__name__}")
-    kern = _kernels()
     interp = kernels_interpreted()
     if x.device.type == "cpu" and not interp:
         raise RuntimeError("fused_moe: CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 "

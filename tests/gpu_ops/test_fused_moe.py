@@ -171,3 +171,14 @@ def test_bad_config():
     with pytest.raises(TypeError, match="config must be a MoEConfig or DirectConfig"):
         fused_moe(a["x"], a["topk_ids"], a["topk_weights"], a["expert_to_slot"], a["w13"], a["w2"],
                   config={"block_m": 16})
+
+
+def test_expert_too_large_for_32_bit_offsets():
+    # Offsets inside one expert are 32-bit in the kernels: an expert spanning 2**31 elements is refused
+    # (meta tensors: nothing is allocated).
+    h, i = 2 ** 20, 2 ** 11
+    x = torch.empty(1, h, device="meta")
+    ids = torch.zeros(1, 1, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match=r"one expert of w13 spans .* fewer than 2\*\*31"):
+        fused_moe(x, ids, torch.ones(1, 1, device="meta"), torch.zeros(1, dtype=torch.int32, device="meta"),
+                  torch.empty(1, 2 * i, h, device="meta"), torch.empty(1, h, i, device="meta"))
