@@ -176,25 +176,27 @@ def down_kernel(
 @triton.jit
 def combine_kernel(
     y_ptr, slot_ptr, out_ptr,
-    H, top_k,
+    H,
     stride_ym, stride_yh, stride_ot, stride_oh,
-    BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """out[t, :] = sum over k with slot[t*K + k] >= 0 of y[t*K + k, :], summed in fp32 in k order.
 
     y [N, H] fp32; slot [N] int32 (-1 = not on the GPU); out [T, H] in its own dtype. Every element of
     out is written (zeros for a token with no GPU expert), and the sum order is fixed, so the result is
-    deterministic.
+    deterministic. The token's K slots are read as one vector (KP = next power of two >= K) and the k
+    loop is unrolled, so the K row loads go out together instead of each behind its own slot load.
     """
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs < H
+    kk = tl.arange(0, KP)
+    sv = tl.load(slot_ptr + t * TOP_K + kk, mask=kk < TOP_K, other=-1)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in range(0, top_k):
-        n = t * top_k + k
-        s = tl.load(slot_ptr + n)
-        on_gpu = (offs * 0 + s) >= 0  # a block-shaped mask (a scalar & block mask fails in the interpreter)
-        v = tl.load(y_ptr + n * stride_ym + offs * stride_yh, mask=h_mask & on_gpu, other=0.0)
+    for k in tl.static_range(TOP_K):
+        on = tl.sum(tl.where((kk == k) & (sv >= 0), 1, 0), 0)
+        on_gpu = (offs * 0 + on) > 0  # a block-shaped mask (a scalar & block mask fails in the interpreter)
+        v = tl.load(y_ptr + (t * TOP_K + k) * stride_ym + offs * stride_yh, mask=h_mask & on_gpu, other=0.0)
         acc += v
     tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
 
@@ -219,7 +221,7 @@ def _count_chunk(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, offs, N, E, S, BLOCK: t
 
 @triton.jit
 def _offsets(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr,
-             N, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+             N, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     offs_s = tl.arange(0, SP2)
     ms = offs_s < S
     c = tl.load(counts_ptr + offs_s, mask=ms, other=0, volatile=True)
@@ -233,9 +235,9 @@ def _offsets(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_
         b = b0 + tl.arange(0, CHUNK)
         slot_of_b = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
         tl.store(block_slot_ptr + b, tl.minimum(slot_of_b, S - 1), mask=b < nb)
-    for p0 in range(0, P, CHUNK):
-        p = p0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ids_ptr + p, tl.full((CHUNK,), 0, tl.int32) + N, mask=p < P)
+    for p0 in range(0, P, FILL):  # (in chunks of 64 this loop took ~9 us of the 28 at N = 32768)
+        p = p0 + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + p, tl.full((FILL,), 0, tl.int32) + N, mask=p < P)
 
 
 @triton.jit
@@ -257,10 +259,12 @@ def slot_count_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, N, E, S, BLOCK: tl
 
 @triton.jit
 def slot_offsets_kernel(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr,
-                        N, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                        N, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                        FILL: tl.constexpr):
     """One program. cursor[s] = first row of slot s (each slot's rows padded to BLOCK_M);
     num_padded[0] = rows in use; block_slot[b] = slot of row block b; sorted_ids[:] = N (sentinel)."""
-    _offsets(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr, N, S, P, SP2, BLOCK_M, CHUNK)
+    _offsets(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr, N, S, P, SP2, BLOCK_M, CHUNK,
+             FILL)
 
 
 @triton.jit
@@ -273,7 +277,7 @@ def slot_scatter_kernel(slot_ptr, cursor_ptr, sorted_ids_ptr, N, BLOCK: tl.const
 @triton.jit
 def align_small_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr,
                        sorted_ids_ptr, N, E, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                       BLOCK: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     """The three alignment steps in one program (one launch, for small N, e.g. decode), separated by
     barriers; also zeroes counts itself. Flags and counters written by atomics are read back with
     volatile loads."""
@@ -283,7 +287,8 @@ def align_small_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, cursor_ptr, block
     for n0 in range(0, N, BLOCK):
         _count_chunk(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, n0 + tl.arange(0, BLOCK), N, E, S, BLOCK)
     tl.debug_barrier()
-    _offsets(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr, N, S, P, SP2, BLOCK_M, CHUNK)
+    _offsets(counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr, N, S, P, SP2, BLOCK_M, CHUNK,
+             FILL)
     tl.debug_barrier()
     for n0 in range(0, N, BLOCK):
         _scatter_chunk(slot_ptr, cursor_ptr, sorted_ids_ptr, n0 + tl.arange(0, BLOCK), N, BLOCK)

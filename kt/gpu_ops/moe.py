@@ -32,6 +32,7 @@ _kernels_mod = None
 # program took 7.9 us at N=56, 10.2 at 512, 16.2 at 1024, 49 at 4096; three launches 11.9 at N=56,
 # 15.0 at 512, 17.5 at 1024, 21.3 at 4096.
 _ALIGN_ONE_PROGRAM_MAX_N = 1024
+_FILL = 1024  # sorted_ids entries the one-program offsets step sets to the sentinel per store
 _PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer if there are fewer tiles)
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
 
@@ -102,12 +103,13 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     if n <= _ALIGN_ONE_PROGRAM_MAX_N:
         # Decode-sized: one launch (the kernel zeroes its own counters).
         kern.align_small_kernel[(1,)](ids, e2s, slot, counts, cursor, block_slot, num_padded, sorted_ids,
-                                      n, e2s.numel(), s, p, SP2=sp2, BLOCK_M=block_m, BLOCK=blk, CHUNK=chunk)
+                                      n, e2s.numel(), s, p, SP2=sp2, BLOCK_M=block_m, BLOCK=blk, CHUNK=chunk,
+                                      FILL=_FILL)
         return slot, sorted_ids, block_slot, num_padded
     counts.zero_()
     kern.slot_count_kernel[(-(-n // blk),)](ids, e2s, slot, counts, n, e2s.numel(), s, BLOCK=blk)
     kern.slot_offsets_kernel[(1,)](counts, cursor, block_slot, num_padded, sorted_ids, n, s, p,
-                                   SP2=sp2, BLOCK_M=block_m, CHUNK=chunk)
+                                   SP2=sp2, BLOCK_M=block_m, CHUNK=chunk, FILL=_FILL)
     kern.slot_scatter_kernel[(-(-n // blk),)](slot, cursor, sorted_ids, n, BLOCK=blk)
     return slot, sorted_ids, block_slot, num_padded
 
@@ -292,8 +294,13 @@ def combine(y, slot32, out):
     k = slot32.numel() // max(t, 1)
     block_h = min(1024, max(16, 1 << (h - 1).bit_length()))
     kern.combine_kernel[(t, -(-h // block_h))](
-        y, slot32, out, h, k, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        BLOCK_H=block_h, num_warps=4)
+        y, slot32, out, h, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        TOP_K=k, KP=_np2k(k), BLOCK_H=block_h, num_warps=4)
+
+
+def _np2k(k: int) -> int:
+    """Next power of two >= k, at least 2 (a vector of a token's K slots)."""
+    return max(2, 1 << max(k - 1, 0).bit_length())
 
 
 def _np2(n: int) -> int:
@@ -350,6 +357,6 @@ def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
         e2s.numel(), s, hid, inter,
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         *s2_strides, out.stride(0), out.stride(1),
-        TOP_K=top_k, KP=max(2, 1 << max(top_k - 1, 0).bit_length()), BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, INT8_W=int8w,
+        TOP_K=top_k, KP=_np2k(top_k), BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, INT8_W=int8w,
         num_warps=config.down_num_warps)
     return out
