@@ -121,9 +121,10 @@ def _vector_gemm_variants(scheme, variant):
     """The AVX-512 or AVX2 large-M kernel of ``scheme`` with and without its next-block L2
     prefetch (``gemm_pf``, ``gemm_nopf``), by name: the library's own body called with ``pf`` from
     a jitted wrapper (``gemm_pf`` is the control: compiled in this process with ``pf`` constant,
-    like ``gemm_nopf``)."""
-    if variant in ("avx512_vnni", "avx512_bf16") and (
-            scheme is not QuantScheme.BF16 or variant == "avx512_bf16"):
+    like ``gemm_nopf``). On an AMX host these are the AVX-512 kernels (VNNI / BF16) in place of
+    the AMX ones: the same packed layout, so they compare the two units on one layer."""
+    if variant in ("amx", "avx512_vnni", "avx512_bf16") and (
+            scheme is not QuantScheme.BF16 or variant in ("amx", "avx512_bf16")):
         from kt.cpu_ops import kernels_avx512 as KM
         wsum_arg = True
     elif variant in ("avx512", "avx2", "avx512_vnni", "avx512_bf16"):
