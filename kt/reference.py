@@ -17,7 +17,7 @@ import numpy as np
 from .config import ACT_MODES, GROUP_SIZES, QuantScheme
 
 __all__ = [
-    "QuantizedWeight",
+    "QuantizedWeight", "int4_ratio_scales", "INT4_RATIO_MAX",
     "to_numpy_f32",
     "bf16_round",
     "f32_to_bf16_bits",
@@ -119,9 +119,36 @@ def quantize(w, scheme: QuantScheme | str, group_size: int = 64) -> QuantizedWei
     wp = np.zeros((n, ng * g), np.float32)
     wp[:, :d] = w
     wg = wp.reshape(n, ng, g)
-    scale = (np.abs(wg).max(axis=2) / np.float32(7.0)).astype(np.float32)
+    scale = int4_ratio_scales((np.abs(wg).max(axis=2) / np.float32(7.0)).astype(np.float32))
     q = np.clip(np.rint(wg * _safe_inv(scale, 7)[:, :, None]), -7, 7).astype(np.int8)
     return QuantizedWeight(scheme, q.reshape(n, ng * g)[:, :d].copy(), scale, g)
+
+
+INT4_RATIO_MAX = 18  # r * q with q in [-7, 7] stays in int8 (|r q| <= 126)
+_RATIO_MANTISSA_MASK = np.uint32(0xFFFFFFE0)  # 19 significant bits: s_row * r (r < 32) is exact
+
+
+def int4_ratio_scales(s0: np.ndarray) -> np.ndarray:
+    """INT4 group scales of the form s_row * r_g (r_g an integer in [1, INT4_RATIO_MAX], 0 for an
+    all-zero group), from the plain scales s0 = amax_g / 7 [N, ng].
+
+    s_row = max_g(s0) / INT4_RATIO_MAX with the low 5 mantissa bits cleared (so s_row * r is
+    exact in fp32 and max_g(scale) / INT4_RATIO_MAX gives s_row back exactly), r_g = rint(s0_g /
+    s_row) clipped to [1, INT4_RATIO_MAX]. With such scales r_g * q fits in int8, so an INT4
+    product over all groups is one exact int32 sum of x * (r_g q) scaled by s_row: the AMX prefill
+    kernel runs it without a per-group flush. On Gaussian weights the weight error is 0.3 %
+    larger than with s0 (0.1080 vs 0.1077 relative, N=1536, D=2048, G=64). A row whose s_row
+    would be 0 (subnormal amax) keeps s0.
+    """
+    s0 = np.asarray(s0, np.float32)
+    m = s0.max(axis=1) if s0.shape[1] else np.zeros(s0.shape[0], np.float32)
+    srow = (m / np.float32(INT4_RATIO_MAX)).astype(np.float32)
+    srow = (srow.view(np.uint32) & _RATIO_MANTISSA_MASK).view(np.float32)
+    ok = srow > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.rint(s0 / np.where(ok, srow, np.float32(1.0))[:, None])
+    r = np.where(s0 > 0, np.clip(r, 1, INT4_RATIO_MAX), 0).astype(np.float32)
+    return np.where(ok[:, None], srow[:, None] * r, s0).astype(np.float32)
 
 
 def dequantize(qw: QuantizedWeight) -> np.ndarray:

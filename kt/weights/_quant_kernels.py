@@ -3,8 +3,9 @@
 Each kernel reads one expert matrix src [N, D] (bf16 bit patterns as uint16, or float32), and writes
 rows ``row0 .. row0+N`` of one expert's packed arrays in the layout of ``kt/cpu_ops/packing.py``
 (16-row blocks, VNNI order), including the zero (INT4: nibble 8) padding along D. The arithmetic is
-the one of ``kt.reference.quantize`` (fp32 scale = amax / qmax, fp32 inverse, rint half-to-even,
-clip), so the output is bit-identical to ``packing.pack_quantized(reference.quantize(w))``.
+the one of ``kt.reference.quantize`` (fp32 scale = amax / qmax, for INT4 then rounded to s_row * r_g
+as ``reference.int4_ratio_scales``; fp32 inverse, rint half-to-even, clip), so the output is
+bit-identical to ``packing.pack_quantized(reference.quantize(w))``.
 Each kernel returns the number of non-finite source values it met (the caller raises).
 
 The kernels are ``nogil``: the converter runs one expert per Python thread.
@@ -16,6 +17,7 @@ from numba import njit, types
 from numba.extending import overload
 
 _F32_MAX = np.float32(3.4028234663852886e38)
+_RATIO_MAX = 18  # reference.INT4_RATIO_MAX
 
 
 def _load_row(src, r, buf, bits):  # pragma: no cover - replaced by the overload below
@@ -118,6 +120,7 @@ def quant_pack_int4(src, row0, group_size, data32, scale):
     n32 = nib.view(np.uint32)
     cmax = np.zeros(d_pad // 32, np.uint32)
     invs = np.zeros(ng_pad, np.float32)
+    s0 = np.zeros(ng_pad, np.float32)
     bad = 0
     for r in range(n):
         _load_row(src, r, buf, bits)
@@ -126,6 +129,7 @@ def quant_pack_int4(src, row0, group_size, data32, scale):
         rr = row & 15
         for c in range(d_pad // 32):
             cmax[c] = _amax_bits32(bits, c * 32)
+        smax = np.float32(0.0)
         for g in range(ng_pad):
             s = np.float32(0.0)
             if g < ng:
@@ -135,6 +139,16 @@ def quant_pack_int4(src, row0, group_size, data32, scale):
                 if m >= np.uint32(0x7F800000):
                     bad += 1
                 s = np.float32(np.uint32(m).view(np.float32) / np.float32(7.0))
+            s0[g] = s
+            smax = s if s > smax else smax
+        # reference.int4_ratio_scales: s_row * r_g, r_g = rint(s0 / s_row) in [1, 18]
+        srow = np.uint32(np.float32(smax / np.float32(_RATIO_MAX)).view(np.uint32)
+                         & np.uint32(0xFFFFFFE0)).view(np.float32)
+        for g in range(ng_pad):
+            s = s0[g]
+            if srow > 0 and s > 0:
+                rg = min(max(np.rint(np.float32(s / srow)), np.float32(1.0)), np.float32(_RATIO_MAX))
+                s = np.float32(srow * rg)
             scale[b, g, rr] = s
             invs[g] = np.float32(np.float32(1.0) / s) if s > 0 else np.float32(0.0)
         for c in range(d_pad // 32):
