@@ -157,8 +157,9 @@ def _vector_gemm_variants(scheme, variant):
 
 def _amx_variants(scheme):
     """Alternative large-M kernels for ``kernels=`` (contract signatures), by name: the
-    K-sliced ``gemm_*_blocked`` kernels that were the default before the pipelined ones, and the
-    pipelined kernels without the output prefetch for writing (``pfw``)."""
+    K-sliced ``gemm_*_blocked`` kernels that were the default before the pipelined ones, the
+    pipelined kernels without the output prefetch for writing (``pfw``), and INT4's per-group
+    flush kernel (``i4flush``)."""
     from kt.cpu_ops import kernels_amx as KA
 
     if scheme is QuantScheme.INT8:
@@ -181,7 +182,14 @@ def _amx_variants(scheme):
             KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 0, True,
                               False)
     else:
-        return {}
+        # INT4: the per-group flush kernel that gemm_int4 used for every matrix before the
+        # flush-free ratio kernel (and still uses for scales not of the quantiser's form)
+        @njit(nogil=True)
+        def k4(xq, xs, data, scale, group_size, out, nb0, nb1):
+            KA.gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1,
+                                 KA.default_mc(xq.shape[1]), max(512, group_size), True, True)
+
+        return {"i4flush": k4}
     return {"blocked": k, "no_pfw": k8}
 
 
@@ -346,7 +354,8 @@ def main(argv=None):
             vars_ = {"default": layers}
             if variant == "amx":
                 for name, k in _amx_variants(scheme).items():
-                    vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(kv, k)) for L in layers]
+                    vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(kv, k), variant=L.variant)
+                                   for L in layers]
             # variant=: the gemv/gemm switch of the layer's own variant (a custom pair gets the
             # generic one, which differs below AVX-512 and would confound small T)
             for name, k in _vector_gemm_variants(scheme, variant).items():

@@ -27,8 +27,8 @@ from numba.extending import intrinsic, register_jitable
 __all__ = [
     "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
     "tileloadd64", "tilestored64", "tdpbssd", "tdpbsud", "tdpbf16ps",
-    "row16_scale_store", "row16_fma", "row16_mul_store", "copy64", "unpack_int4_line", "prefetch_l1", "prefetch_l2",
-    "prefetch_w",
+    "row16_scale_store", "row16_fma", "row16_mul_store", "row16_max", "ratio_row16", "copy64",
+    "unpack_int4_line", "unpack_int4_line_mul", "prefetch_l1", "prefetch_l2", "prefetch_w",
 ]
 
 _I8 = ir.IntType(8)
@@ -340,6 +340,80 @@ def unpack_int4_line(typingctx, src, si, dst, di):
         return context.get_dummy_value()
 
     return types.none(src, si, dst, di), codegen
+
+
+@intrinsic
+def row16_max(typingctx, acc, ai, src, si):
+    """acc[ai : ai+16] = max(acc[ai : ai+16], src[si : si+16])   (fp32, no NaNs expected)."""
+    _dtype_is(acc, types.float32, "row16_max acc")
+    _dtype_is(src, types.float32, "row16_max src")
+
+    def codegen(context, builder, sig, args):
+        a = _vptr(context, builder, sig, args, 0, _F32X16)
+        av = builder.load(a, align=4)
+        sv = builder.load(_vptr(context, builder, sig, args, 2, _F32X16), align=4)
+        builder.store(builder.select(builder.fcmp_ordered(">", sv, av), sv, av), a, align=4)
+        return context.get_dummy_value()
+
+    return types.none(acc, ai, src, si), codegen
+
+
+@intrinsic
+def ratio_row16(typingctx, scale, si, inv, ii, sr, sri, rx, rxi, rmax):
+    """The INT4 group ratios of 16 columns: r = rint(scale[si : si+16] * inv[ii : ii+16]) as int32;
+    stores each r four times as int8 at rx[rxi : rxi+64] (r * 0x01010101 per column) and returns
+    whether every column's scale is exactly fp32(r) * sr[sri : sri+16] with 0 <= r <= rmax
+    (``reference.int4_ratio_scales``)."""
+    _dtype_is(scale, types.float32, "ratio_row16 scale")
+    _dtype_is(inv, types.float32, "ratio_row16 inv")
+    _dtype_is(sr, types.float32, "ratio_row16 sr")
+    _dtype_is(rx, types.int8, "ratio_row16 rx")
+
+    def codegen(context, builder, sig, args):
+        sv = builder.load(_vptr(context, builder, sig, args, 0, _F32X16), align=4)
+        iv = builder.load(_vptr(context, builder, sig, args, 2, _F32X16), align=4)
+        srv = builder.load(_vptr(context, builder, sig, args, 4, _F32X16), align=4)
+        rint = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_F32X16, [_F32X16]), "llvm.rint.v16f32")
+        ri = builder.fptosi(builder.call(rint, [builder.fmul(sv, iv)]), _I32X16)
+        rm = context.cast(builder, args[8], sig.args[8], types.int32)
+        exact = builder.fcmp_ordered("==", builder.fmul(builder.sitofp(ri, _F32X16), srv), sv)
+        lo = builder.icmp_signed(">=", ri, ir.Constant(_I32X16, [0] * 16))
+        hi = builder.icmp_signed("<=", ri, _splat(builder, rm, _I32X16))
+        ok = builder.and_(exact, builder.and_(lo, hi))
+        i1x16 = ir.VectorType(ir.IntType(1), 16)
+        red = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.IntType(1), [i1x16]), "llvm.vector.reduce.and.v16i1")
+        rep = builder.mul(ri, ir.Constant(_I32X16, [0x01010101] * 16))
+        builder.store(rep, _vptr(context, builder, sig, args, 6, _I32X16), align=1)
+        return builder.call(red, [ok])
+
+    return types.boolean(scale, si, inv, ii, sr, sri, rx, rxi, rmax), codegen
+
+
+@intrinsic
+def unpack_int4_line_mul(typingctx, src, si, dst, di, r, ri):
+    """``unpack_int4_line`` with each signed value multiplied by r[ri : ri+64] (int8, per byte
+    position: the INT4 group ratios r_g of the 16 columns, each repeated for its 4 k): the products
+    must fit in int8 (|q| <= 7, r <= 18), they are formed in 8-bit lanes."""
+    _dtype_is(src, types.uint8, "unpack_int4_line_mul src")
+    _dtype_is(dst, types.int8, "unpack_int4_line_mul dst")
+    _dtype_is(r, types.int8, "unpack_int4_line_mul r")
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_vptr(context, builder, sig, args, 0, _I8X64), align=1)
+        rv = builder.load(_vptr(context, builder, sig, args, 4, _I8X64), align=1)
+        k15 = ir.Constant(_I8X64, [15] * 64)
+        k8 = ir.Constant(_I8X64, [8] * 64)
+        k4 = ir.Constant(_I8X64, [4] * 64)
+        lo = builder.mul(builder.sub(builder.and_(v, k15), k8), rv)
+        hi = builder.mul(builder.sub(builder.lshr(v, k4), k8), rv)
+        d0 = _vptr(context, builder, sig, args, 2, _I8X64)
+        builder.store(lo, d0, align=1)
+        builder.store(hi, builder.gep(d0, [ir.Constant(_I64, 1)]), align=1)
+        return context.get_dummy_value()
+
+    return types.none(src, si, dst, di, r, ri), codegen
 
 
 def _prefetch(what: str, locality: int, rw: int = 0):

@@ -41,9 +41,11 @@ import numpy as np
 from numba import njit
 
 from . import cache
-from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, prefetch_w, require_amx, row16_fma,
-                   row16_mul_store, row16_scale_store, set_tilecfg, tdpbf16ps, tdpbssd, tilezero,
-                   tileloadd64, tilerelease, tilestored64, unpack_int4_line)
+from ..reference import INT4_RATIO_MAX
+from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, prefetch_w, ratio_row16, require_amx,
+                   row16_fma, row16_max, row16_mul_store, row16_scale_store, set_tilecfg, tdpbf16ps,
+                   tdpbssd, tilezero, tileloadd64, tilerelease, tilestored64, unpack_int4_line,
+                   unpack_int4_line_mul)
 
 AMX_MODE = require_amx()
 cache.install()
@@ -52,7 +54,8 @@ _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8
 
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
-           "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "peak_int8", "peak_bf16", "default_mc"]
+           "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int4_ratio", "peak_int8", "peak_bf16",
+           "default_mc"]
 
 # The contract entry points (gemv_*, gemm_*) pass their tuning as literal arguments to the
 # *_pf / *_blocked kernels; the values were chosen from the device sweeps in
@@ -573,11 +576,101 @@ def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, l2
 
 
 @njit(nogil=True, cache=True)
+def _int4_ratios(scale, nb0, nb1, srow, rx):
+    """Whether every group scale of blocks [nb0, nb1) is s_row * r_g with r_g an integer in
+    [0, INT4_RATIO_MAX] (``reference.int4_ratio_scales``, the quantiser's rule); if so, srow
+    [16 (nb1 - nb0)] holds each column's s_row and rx [(nb1 - nb0) * ng * 64] each (block, group)'s
+    16 ratios, each repeated for its 4 k (the byte order of a packed k4 row)."""
+    ng = scale.shape[1]
+    m = np.empty(16, np.float32)
+    inv = np.empty(16, np.float32)
+    sflat = scale.reshape(-1)
+    for b in range(nb0, nb1):
+        lb = b - nb0
+        m[:] = 0.0
+        for g in range(ng):
+            row16_max(m, 0, sflat, (b * ng + g) * 16)
+        for c in range(16):
+            sr = np.float32(m[c] / np.float32(INT4_RATIO_MAX))
+            srow[lb * 16 + c] = sr
+            inv[c] = np.float32(np.float32(1.0) / sr) if sr > 0 else np.float32(0.0)
+        for g in range(ng):
+            if not ratio_row16(sflat, (b * ng + g) * 16, inv, 0, srow, lb * 16, rx, (lb * ng + g) * 64,
+                               INT4_RATIO_MAX):
+                return False
+    return True
+
+
+@njit(nogil=True, cache=True)
+def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
+    """Large-M INT4 for scales of the form s_row * r_g (``_int4_ratios`` gives srow and rx): each
+    block pair's nibbles are unpacked to the int8 values r_g * q (exact: |r_g q| <= 126), once per
+    M chunk of mc rows, and multiplied as INT8 by the pipelined panel of ``gemm_int8_pipe``; the
+    int32 sums over all of K are scaled by xs[m] * s_row[n]. No per-group flush: the same sum as
+    ``gemv_int4`` (sum_g s_row r_g sum_k x q), exact up to the fp32 epilogue. While a pair is
+    unpacked, the next pair's packed lines are prefetched into L2; pfw as ``gemm_int8_pipe``."""
+    g = group_size
+    d_pad = xq.shape[1]
+    ks = d_pad // 64
+    ng = d_pad // g
+    lpg = g // 8                     # packed lines per group
+    lines = data.shape[1]
+    m_all = xq.shape[0]
+    ost = out.strides[0] // 4
+    ap = _pack_a(xq, ks, 64)
+    mpad = ap.shape[0] * 16
+    blk = ks * 1024                  # one unpacked block: ks k-step tiles of 1 KiB
+    bs = np.empty(2 * blk, np.int8)
+    cp = np.empty((32, 32), np.int32)
+    cfg = np.zeros(64, np.uint8)
+    _config(cfg, 16, 64)
+    for mc0 in range(0, mpad, mc):
+        mc1 = min(mc0 + mc, mpad)
+        for b in range(nb0, nb1, 2):
+            two = b + 1 < nb1
+            for q in range(2 if two else 1):
+                lb = b + q - nb0
+                nxt = b + 2 + q
+                for j in range(lines):
+                    if nxt < nb1:
+                        prefetch_l2(data, (nxt * lines + j) * 64)
+                    unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
+                                         rx, (lb * ng + j // lpg) * 64)
+            o1 = blk if two else 0
+            so = (b - nb0) * 16
+            for mp in range(mc0, mc1, 32):
+                a0 = (mp // 16) * ks * 1024
+                rows = min(32, m_all - mp)
+                _pipe_panel(ap, a0, a0 + ks * 1024, bs, 0, o1, ks, 1024, False, 0, 0, 0, 0, 0, 0,
+                            out, mp * ost + 16 * b, ost, rows if pfw else 0, two)
+                tilestored64(0, cp, 0, 128)
+                tilestored64(1, cp, 16, 128)
+                tilestored64(2, cp, 512, 128)
+                tilestored64(3, cp, 528, 128)
+                n0c = 16 * b
+                for i in range(rows):
+                    oi = (mp + i) * ost + n0c
+                    row16_scale_store(out, oi, cp, i * 32, srow, so, xs[mp + i])
+                    if two:
+                        row16_scale_store(out, oi + 16, cp, i * 32 + 16, srow, so + 16, xs[mp + i])
+    tilerelease()
+
+
+@njit(nogil=True, cache=True)
 def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
-    """Large-M INT4 (same contract as ``gemv_int4``): 2x2 tiles, per-group fp32 flush, blocking."""
+    """Large-M INT4 (same contract as ``gemv_int4``). Scales of the quantiser's form s_row * r_g
+    (every matrix ``reference.quantize`` or the converter made): ``gemm_int4_ratio``, INT8 speed
+    with no per-group flush. Other scales (weights quantised elsewhere): ``gemm_int4_blocked``,
+    2x2 tiles with the per-group fp32 flush."""
+    nbr = max(nb1 - nb0, 0)
+    srow = np.empty(nbr * 16, np.float32)
+    rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
+    mc = default_mc(xq.shape[1])
+    if _int4_ratios(scale, nb0, nb1, srow, rx):
+        gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, True)
+        return
     kc = max(512, group_size)
-    gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, default_mc(xq.shape[1]), kc,
-                      True, True)
+    gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, True, True)
 
 
 # ----------------------------------------------------------------------------- BF16

@@ -28,7 +28,7 @@ import pytest
 from kt import reference as ref
 from kt.config import QuantScheme
 from kt.cpu_ops import isa
-from kt.cpu_ops.packing import pack
+from kt.cpu_ops.packing import pack, pack_quantized
 from kt.testing import assert_exact
 
 SKIP_REASON = "host has no AMX (runs on the device machine: benchmarks/device_amx.py)"
@@ -232,8 +232,6 @@ def test_integer_accumulation_exact(K, op, scheme, g, m, n, d):
         qw = ref.QuantizedWeight(scheme, q, np.ones(n, np.float32))
     else:
         qw = ref.QuantizedWeight(scheme, q, np.ones((n, -(-d // g)), np.float32), g)
-    from kt.cpu_ops.packing import pack_quantized
-
     p = pack_quantized(qw, g or 64)
     want = xq.astype(np.int64) @ q.astype(np.int64).T
     assert np.abs(want).max() < 2 ** 24  # so fp32 holds every partial and total exactly
@@ -385,6 +383,26 @@ class TileUnit:
         d[:64] = (v & 15) - 8
         d[64:] = (v >> 4) - 8
 
+    def unpack_int4_line_mul(self, src, si, dst, di, r, ri):
+        v = self._flat(src, si, 64).astype(np.int16)
+        rv = self._flat(r, ri, 64).astype(np.int16)
+        lo, hi = ((v & 15) - 8) * rv, ((v >> 4) - 8) * rv
+        assert np.abs(lo).max() <= 127 and np.abs(hi).max() <= 127, "r * q outside int8"
+        d = self._flat(dst, di, 128)
+        d[:64] = lo
+        d[64:] = hi
+
+    def row16_max(self, acc, ai, src, si):
+        a = self._flat(acc, ai, 16)
+        a[:] = np.maximum(a, self._flat(src, si, 16))
+
+    def ratio_row16(self, scale, si, inv, ii, sr, sri, rx, rxi, rmax):
+        s = self._flat(scale, si, 16)
+        r = np.rint(s * self._flat(inv, ii, 16)).astype(np.int32)
+        self._flat(rx, rxi, 64)[:] = np.repeat(r, 4).astype(np.int8)
+        exact = (r.astype(np.float32) * self._flat(sr, sri, 16)) == s
+        return bool(np.all(exact & (r >= 0) & (r <= rmax)))
+
     def prefetch_l1(self, ary, index):
         pass  # a hint; never faults
 
@@ -437,7 +455,8 @@ def emulated_kernels(monkeypatch):
     unit = TileUnit()
     for name in ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tilestored64",
                  "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_fma", "row16_mul_store",
-                 "copy64", "unpack_int4_line", "prefetch_l1", "prefetch_l2", "prefetch_w"):
+                 "copy64", "unpack_int4_line", "unpack_int4_line_mul", "row16_max", "ratio_row16",
+                 "prefetch_l1", "prefetch_l2", "prefetch_w"):
         setattr(mod, name, getattr(unit, name))
     mod.unit = unit
     monkeypatch.undo()
@@ -528,18 +547,71 @@ def _check_blocked(mod, scheme, pf):
         mod.gemv_int8_pf(xq, xs, p.data, p.scale, gv, 0, nb, pf)
         assert_exact(whole, gv, what=f"int8 gemv pf={pf} vs gemm")
     else:
+        # gemm_int4 takes the flush-free ratio kernel on the quantiser's scales: the flush kernel
+        # unsliced is the comparison for its slices, and the ratio kernel's own M chunks and
+        # block ranges give its whole result exactly
+        whole_flush = np.full((m, p.n_pad), np.nan, np.float32)
+        mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, whole_flush, 0, nb, 128, p.d_pad, False, False)
+        srow = np.empty(nb * 16, np.float32)
+        rx = np.empty(nb * p.scale.shape[1] * 64, np.int8)
+        assert mod._int4_ratios(p.scale, 0, nb, srow, rx)
+        for mc, pfw in ((32, True), (64, False)):
+            r_out = np.full((m, p.n_pad), np.nan, np.float32)
+            if hasattr(mod, "unit"):
+                mod.unit.prefetched_w.clear()
+            mod.gemm_int4_ratio(xq, xs, p.data, 64, srow, rx, r_out, 0, nb, mc, pfw)
+            assert_exact(whole, r_out, what=f"int4 ratio mc={mc} vs gemm")
+            if hasattr(mod, "unit") and pfw:
+                assert mod.unit.prefetched_w == {r * p.n_pad + 16 * b for r in range(m)
+                                                 for b in range(nb)}
+        part = np.full((m, p.n_pad), np.nan, np.float32)
+        mod.gemm_int4_ratio(xq, xs, p.data, 64, srow[16:], rx[p.scale.shape[1] * 64:], part, 1, nb, 64, True)
+        assert np.isnan(part[:, :16]).all()
+        assert_exact(whole[:, 16:], part[:, 16:], what="int4 ratio block range")
         if hasattr(mod, "unit"):
             mod.unit.prefetched_w.clear()
         mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64, pf > 0, True)
         if hasattr(mod, "unit"):  # emulated: pfw requested exactly the lines the epilogue wrote
             assert mod.unit.prefetched_w == {r * p.n_pad + 16 * b for r in range(m)
                                              for b in range(nb)}
+        whole = whole_flush
         gv = np.full((m, p.n_pad), np.nan, np.float32)
         mod.gemv_int4_pf(xq, xs, p.data, p.scale, 64, gv, 0, nb, pf)
         ref_gv = np.full((m, p.n_pad), np.nan, np.float32)
         mod.gemv_int4(xq, xs, p.data, p.scale, 64, ref_gv, 0, nb)
         assert_exact(ref_gv, gv, what=f"int4 gemv prefetch {pf} groups vs none")
     assert_exact(whole, out, what=f"{scheme.value} sliced vs whole")
+
+
+def _check_int4_fallback(mod):
+    """INT4 scales not of the quantiser's s_row * r_g form (weights quantised elsewhere): gemm_int4
+    takes the per-group flush kernel, and its result is gemm_int4_blocked's exactly."""
+    m, n, d = 40, 48, 256
+    x, w = _inputs(m, n, d, seed=5)
+    qw = ref.quantize(w, "int4", 64)
+    rng = np.random.default_rng(5)
+    scale = (qw.scale * rng.uniform(0.9, 1.1, qw.scale.shape)).astype(np.float32)
+    p = pack_quantized(ref.QuantizedWeight(qw.scheme, qw.q, scale, 64), 64)
+    nb = p.num_blocks
+    assert not mod._int4_ratios(p.scale, 0, nb, np.empty(nb * 16, np.float32),
+                                np.empty(nb * p.scale.shape[1] * 64, np.int8))
+    out = _run(mod, QuantScheme.INT4, "gemm", x, p)
+    xq, xs = ref.quantize_act(x)
+    flush = np.full_like(out, np.nan)
+    mod.gemm_int4_blocked(_pad_cols(xq, p.d_pad), xs, p.data, p.scale, 64, flush, 0, nb,
+                          mod.default_mc(p.d_pad), 512, True, True)
+    assert_exact(flush, out, what="int4 gemm on non-ratio scales vs the flush kernel")
+    want, bound = _int_ref(x, ref.QuantizedWeight(qw.scheme, qw.q, scale, 64), d // 64)
+    _check_within(want, out[:, :n], bound, "int4 gemm on non-ratio scales")
+
+
+def test_emulated_int4_fallback(EK):
+    _check_int4_fallback(EK)
+
+
+@needs_amx
+def test_int4_fallback(K):
+    _check_int4_fallback(K)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
