@@ -304,6 +304,28 @@ def _pipe_panel(ap, a0, a1, data, o0, o1, ks, sb, bf, pfb, nxt0, nxt1, pl0, per,
     return pl
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _store_panel(cp, cpf, out, m0, ost, n0, rows, two, bf, scale, so, xs):
+    """Tiles C 0-3 (a 32x32 panel of rows m0.., columns n0..) -> out: the fp32 sums copied (bf),
+    or the int32 sums times xs[m] * scale[so + j]; the second 16 columns only if two. cp is the
+    [32, 32] int32 staging buffer, cpf the same buffer as fp32."""
+    tilestored64(0, cp, 0, 128)
+    tilestored64(1, cp, 16, 128)
+    tilestored64(2, cp, 512, 128)
+    tilestored64(3, cp, 528, 128)
+    for i in range(rows):
+        oi = (m0 + i) * ost + n0
+        if bf:
+            copy64(out, oi, cpf, i * 32)
+        else:
+            row16_scale_store(out, oi, cp, i * 32, scale, so, xs[m0 + i])
+        if two:
+            if bf:
+                copy64(out, oi + 16, cpf, i * 32 + 16)
+            else:
+                row16_scale_store(out, oi + 16, cp, i * 32 + 16, scale, so + 16, xs[m0 + i])
+
+
 @njit(nogil=True, cache=True)
 def _pipe_pair_prefetch(b, nb1, blk, npan, ks):
     """(next pair's first and second block offsets, lines per block, lines per k-step) for the
@@ -352,23 +374,7 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, pfb, l2, pfw, bf, xs, scale):
                 pl = _pipe_panel(ap, a0, a0 + ks * sb, data, o0, o1, ks, sb, bf,
                                  pfb if mp == mc0 else 0, n0, n1, pl, per, nlines,
                                  out, mp * ost + 16 * b, ost, rows if pfw else 0, b + 1 < nb1)
-                tilestored64(0, cp, 0, 128)
-                tilestored64(1, cp, 16, 128)
-                tilestored64(2, cp, 512, 128)
-                tilestored64(3, cp, 528, 128)
-                n0c = 16 * b
-                for i in range(rows):
-                    oi = (mp + i) * ost + n0c
-                    if bf:
-                        copy64(out, oi, cpf, i * 32)
-                    else:
-                        row16_scale_store(out, oi, cp, i * 32, scale, n0c, xs[mp + i])
-                    if b + 1 < nb1:
-                        if bf:
-                            copy64(out, oi + 16, cpf, i * 32 + 16)
-                        else:
-                            row16_scale_store(out, oi + 16, cp, i * 32 + 16, scale, n0c + 16,
-                                              xs[mp + i])
+                _store_panel(cp, cpf, out, mp, ost, 16 * b, rows, b + 1 < nb1, bf, scale, 16 * b, xs)
     tilerelease()
 
 
@@ -628,6 +634,7 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
     blk = ks * 1024                  # one unpacked block: ks k-step tiles of 1 KiB
     bs = np.empty(2 * blk, np.int8)
     cp = np.empty((32, 32), np.int32)
+    cpf = cp.view(np.float32)
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
     for mc0 in range(0, mpad, mc):
@@ -649,16 +656,7 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
                 rows = min(32, m_all - mp)
                 _pipe_panel(ap, a0, a0 + ks * 1024, bs, 0, o1, ks, 1024, False, 0, 0, 0, 0, 0, 0,
                             out, mp * ost + 16 * b, ost, rows if pfw else 0, two)
-                tilestored64(0, cp, 0, 128)
-                tilestored64(1, cp, 16, 128)
-                tilestored64(2, cp, 512, 128)
-                tilestored64(3, cp, 528, 128)
-                n0c = 16 * b
-                for i in range(rows):
-                    oi = (mp + i) * ost + n0c
-                    row16_scale_store(out, oi, cp, i * 32, srow, so, xs[mp + i])
-                    if two:
-                        row16_scale_store(out, oi + 16, cp, i * 32 + 16, srow, so + 16, xs[mp + i])
+                _store_panel(cp, cpf, out, mp, ost, 16 * b, rows, two, False, srow, so, xs)
     tilerelease()
 
 
