@@ -112,12 +112,19 @@ def _convert_layer(lx, scheme: QuantScheme, g: int, path: Path, pool: ThreadPool
 
 
 def _params(src, scheme, g, layers) -> dict:
-    return {"scheme": scheme.value, "group_size": g, "num_experts": src.num_experts,
-            "hidden_size": src.hidden, "intermediate_size": src.inter, "layers": layers,
-            "source": src.identity()}
+    p = {"scheme": scheme.value, "group_size": g, "num_experts": src.num_experts,
+         "hidden_size": src.hidden, "intermediate_size": src.inter, "layers": layers,
+         "source": src.identity()}
+    if scheme is QuantScheme.INT4:
+        p["int4_scales"] = INT4_SCALES
+    return p
 
 
-_KEYS = ("scheme", "group_size", "num_experts", "hidden_size", "intermediate_size", "layers", "source")
+# INT4 group scales are integer ratios of a row scale (reference.int4_ratio_scales); conversions
+# made before record no such field, load and run as before, and are refused for resuming.
+INT4_SCALES = "ratio"
+_KEYS = ("scheme", "group_size", "num_experts", "hidden_size", "intermediate_size", "layers", "source",
+         "int4_scales")
 
 
 def _key(d: dict, k: str):
@@ -209,6 +216,7 @@ def convert(source, out_dir, scheme: QuantScheme | str = "int8", group_size: int
                         "num_experts": src.num_experts, "hidden_size": src.hidden,
                         "intermediate_size": src.inter,
                         **_shape_meta(scheme, src.num_experts, src.hidden, src.inter, g),
+                        **({"int4_scales": INT4_SCALES} if scheme is QuantScheme.INT4 else {}),
                         "layers": want, "architecture": src.architecture,
                         "model_type": src.model_type,
                         "source": params["source"], "checksum_algorithm": CHECKSUM_ALGO,
@@ -273,8 +281,11 @@ def _resume_state(out: Path, params: dict, force: bool):
     if not _same(prev, params):
         if not force:
             diff = [k for k in _KEYS if _key(prev, k) != _key(params, k)]
-            raise WeightFormatError(f"{out}: holds a different conversion (differs in {diff}); pass "
-                                    "force=True (--force) to replace it, or pick another directory")
+            why = (" (it was converted before INT4 scales became integer ratios: it still loads and "
+                   "runs, and --force re-converts it for the faster AMX prefill)"
+                   if diff == ["int4_scales"] else "")
+            raise WeightFormatError(f"{out}: holds a different conversion (differs in {diff}){why}; "
+                                    "pass force=True (--force) to replace it, or pick another directory")
         for p in own_files():
             p.unlink(missing_ok=True)
         return {}

@@ -171,6 +171,13 @@ def load_experts(out_dir, layer: int, physical_to_logical_map=None, *, scheme=No
     mpath = out / "manifest.json"
     sch = QuantScheme.parse(m["scheme"])
     E, H, I, g = m["num_experts"], m["hidden_size"], m["intermediate_size"], m["group_size"]
+    if sch is QuantScheme.INT4 and m.get("int4_scales") != "ratio":
+        import warnings
+
+        warnings.warn(f"{out}: INT4 weights converted before their group scales became integer "
+                      "ratios of a row scale; they load and run, but AMX prefill takes the slower "
+                      "per-group kernel. `kt convert ... --force` re-converts them.", UserWarning,
+                      stacklevel=2)
     if scheme is not None:
         _expect(mpath, "scheme", QuantScheme.parse(scheme).value, sch.value)
     if group_size is not None and sch is QuantScheme.INT4:

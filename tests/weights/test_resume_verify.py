@@ -150,7 +150,8 @@ def test_caller_expectations(done):
 
 
 def test_output_dir_of_another_conversion(src, done):
-    with pytest.raises(WeightFormatError, match=r"holds a different conversion \(differs in \['scheme', 'group_size'\]\)"):
+    with pytest.raises(WeightFormatError, match=r"holds a different conversion \(differs in "
+                       r"\['scheme', 'group_size', 'int4_scales'\]\);"):
         convert(src[0], done, "int8", progress=False)
     m = convert(src[0], done, "int8", progress=False, force=True)
     assert m["scheme"] == "int8" and verify(done) == []
@@ -158,6 +159,23 @@ def test_output_dir_of_another_conversion(src, done):
     before = (done / "layer_00000.safetensors").stat().st_mtime_ns
     convert(src[0], done, "int8", progress=False)
     assert (done / "layer_00000.safetensors").stat().st_mtime_ns == before
+
+
+def test_int4_conversion_from_before_ratio_scales(src, done):
+    """An INT4 directory whose manifest predates the integer-ratio scales loads with a warning, a
+    plain rerun says why it is refused, and --force re-converts it."""
+    mpath = done / "manifest.json"
+    m = json.loads(mpath.read_text())
+    assert m["int4_scales"] == "ratio"
+    del m["int4_scales"]
+    mpath.write_text(json.dumps(m))
+    with pytest.warns(UserWarning, match="converted before their group scales became integer ratios"):
+        load_experts(done, 0)
+    with pytest.raises(WeightFormatError, match=r"differs in \['int4_scales'\]\) \(it was converted "
+                                                r"before INT4 scales became integer ratios"):
+        convert(src[0], done, "int4", 32, progress=False)
+    convert(src[0], done, "int4", 32, progress=False, force=True)
+    assert json.loads(mpath.read_text())["int4_scales"] == "ratio" and verify(done) == []
 
 
 def test_nan_in_source_fails_cleanly(tmp_path):
