@@ -16,7 +16,8 @@ Variants (flags of the probe's own kernels, which otherwise follow kt/gpu_ops/_k
 - gate+up: CAT (gate and up columns of a tile in one [block_k, 2 block_n] operand and one dot, split
   after), EVEN, TRANS_B.
 Times are eager launches with L2 flushed between them (triton do_bench medians; a few us of launch cost
-against 100+ us kernels), min and median of rounds interleaved variant by variant; fractions are of the bf16 matmul rate measured in the same run.
+against 100+ us kernels), min and median of rounds interleaved variant by variant; fractions are of
+the bf16 matmul rate measured in the same run.
 """
 from __future__ import annotations
 
@@ -270,7 +271,8 @@ def check(c, down_vs, gu_vs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--check", action="store_true", help="tiny shapes, correctness only (use TRITON_INTERPRET=1 on a CPU)")
+    ap.add_argument("--check", action="store_true",
+                    help="tiny shapes, correctness only (use TRITON_INTERPRET=1 on a CPU)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ncu-once", action="store_true", help="one launch of the shipped T=4096 gate+up and down")
     a = ap.parse_args()
