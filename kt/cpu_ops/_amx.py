@@ -375,12 +375,15 @@ def ratio_row16(typingctx, scale, si, inv, ii, sr, sri, rx, rxi, rmax):
         srv = builder.load(_vptr(context, builder, sig, args, 4, _F32X16), align=4)
         rint = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_F32X16, [_F32X16]), "llvm.rint.v16f32")
-        ri = builder.fptosi(builder.call(rint, [builder.fmul(sv, iv)]), _I32X16)
-        rm = context.cast(builder, args[8], sig.args[8], types.int32)
-        exact = builder.fcmp_ordered("==", builder.fmul(builder.sitofp(ri, _F32X16), srv), sv)
-        lo = builder.icmp_signed(">=", ri, ir.Constant(_I32X16, [0] * 16))
-        hi = builder.icmp_signed("<=", ri, _splat(builder, rm, _I32X16))
+        rf = builder.call(rint, [builder.fmul(sv, iv)])
+        rm = context.cast(builder, args[8], sig.args[8], types.float32)
+        # checked as floats (ordered compares: NaN fails) before any conversion to int, so an
+        # Inf or NaN scale never reaches fptosi
+        exact = builder.fcmp_ordered("==", builder.fmul(rf, srv), sv)
+        lo = builder.fcmp_ordered(">=", rf, ir.Constant(_F32X16, [0.0] * 16))
+        hi = builder.fcmp_ordered("<=", rf, _splat(builder, rm, _F32X16))
         ok = builder.and_(exact, builder.and_(lo, hi))
+        ri = builder.fptosi(builder.select(ok, rf, ir.Constant(_F32X16, [0.0] * 16)), _I32X16)
         i1x16 = ir.VectorType(ir.IntType(1), 16)
         red = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.IntType(1), [i1x16]), "llvm.vector.reduce.and.v16i1")

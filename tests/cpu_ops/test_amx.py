@@ -624,3 +624,29 @@ def test_emulated_blocked_gemm_slices(EK, scheme):
 @pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
 def test_blocked_gemm_slices_and_prefetch(K, scheme, pf):
     _check_blocked(K, scheme, pf)
+
+
+def test_ratio_row16_accepts_only_exact_integer_ratios():
+    """The 16-lane ratio check (plain AVX-512 code, runs on any host): exact multiples r * s_row
+    with r in [0, 18] pass and give r four times per column; anything else (a scale off by an
+    ulp, r > 18, negative, Inf, NaN) fails, without undefined float-to-int conversions."""
+    from numba import njit
+
+    from kt.cpu_ops._amx import ratio_row16
+
+    @njit
+    def check(scale, inv, sr, rx):
+        return ratio_row16(scale, 0, inv, 0, sr, 0, rx, 0, 18)
+
+    rng = np.random.default_rng(4)
+    sr = rng.uniform(1e-3, 1e-2, 16).astype(np.float32)
+    sr = (sr.view(np.uint32) & np.uint32(0xFFFFFFE0)).view(np.float32)
+    r = rng.integers(0, 19, 16)
+    scale = (sr * r.astype(np.float32)).astype(np.float32)
+    inv = (np.float32(1.0) / sr).astype(np.float32)
+    rx = np.zeros(64, np.int8)
+    assert check(scale, inv, sr, rx) and np.array_equal(rx, np.repeat(r, 4).astype(np.int8))
+    for bad in (np.nextafter(scale[3], np.float32(1)), sr[3] * np.float32(19), -sr[3], np.inf, np.nan):
+        s2 = scale.copy()
+        s2[3] = bad
+        assert not check(s2, inv, sr, rx), bad
