@@ -60,8 +60,8 @@ _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8
 
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
-           "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int4_ratio", "peak_int8", "peak_bf16",
-           "default_mc"]
+           "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int4_ratio", "peak_int8",
+           "peak_bf16", "default_mc"]
 
 # The contract entry points (gemv_*, gemm_*) pass their tuning as literal arguments to the
 # *_pf / *_blocked kernels; the values were chosen from the device sweeps in
