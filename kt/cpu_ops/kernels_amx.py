@@ -596,18 +596,17 @@ def _int4_ratios(scale, nb0, nb1, srow, rx):
     ng = scale.shape[1]
     m = np.empty(16, np.float32)
     inv = np.empty(16, np.float32)
-    sflat = scale.reshape(-1)
     for b in range(nb0, nb1):
         lb = b - nb0
         m[:] = 0.0
         for g in range(ng):
-            row16_max(m, 0, sflat, (b * ng + g) * 16)
+            row16_max(m, 0, scale, (b * ng + g) * 16)
         for c in range(16):
             sr = np.float32(m[c] / np.float32(INT4_RATIO_MAX))
             srow[lb * 16 + c] = sr
             inv[c] = np.float32(np.float32(1.0) / sr) if sr > 0 else np.float32(0.0)
         for g in range(ng):
-            if not ratio_row16(sflat, (b * ng + g) * 16, inv, 0, srow, lb * 16, rx, (lb * ng + g) * 64,
+            if not ratio_row16(scale, (b * ng + g) * 16, inv, 0, srow, lb * 16, rx, (lb * ng + g) * 64,
                                INT4_RATIO_MAX):
                 return False
     return True
