@@ -9,22 +9,27 @@ what its variant allows (README.md).
 Memory helpers take ``(array, index)``: ``index`` counts elements of the array's own dtype from the
 array's data pointer, i.e. a flat index into a C-contiguous array (for a row-strided 2-D array use
 ``row * (strides[0] // itemsize) + col``). Loads and stores are unaligned (``align 1``): on the
-CPUs kt targets an unaligned access to an aligned address costs nothing, and packed lines are
-64-byte aligned whenever numpy's allocation is.
+CPUs kt targets an unaligned access to an aligned address costs nothing. NumPy and Numba do *not*
+align arrays to 64 bytes (here they start 32 bytes past a line), and a 64-byte access that straddles
+two lines costs two; so packed weights and workspaces come from ``_align`` and jitted scratch from
+``empty_line``.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
+
+from ._align import LINE
 
 __all__ = [
     "Vec", "I8x64", "I16x32", "I32x16", "F32x16", "I8x32", "I16x16", "I32x8", "F32x8",
     # memory
     "load_i8x64", "load_i16x32", "load_i32x16", "load_f32x16",
     "load_i8x32", "load_i16x16", "load_i32x8", "load_f32x8",
-    "bcast4_i32x16", "bcast4_i32x8", "store", "prefetch", "prefetch_l2", "pf_next",
+    "bcast4_i32x16", "bcast4_i32x8", "store", "prefetch", "prefetch_l2", "pf_next", "empty_line",
     # constants / broadcast of scalars
     "splat_i32x16", "splat_f32x16", "splat_i32x8", "splat_f32x8", "splat_i16x16", "splat_i8x32",
     # bit casts
@@ -382,3 +387,11 @@ def pf_next(data, base, j, ppl, end, le):
         a = base + (j * ppl + q) * le
         if a < end:
             prefetch_l2(data, a)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def empty_line(n, dtype):
+    """A 1-D np.empty(n, dtype) starting at a 64-byte boundary (reshape it as needed)."""
+    buf = np.empty(n + LINE, dtype)
+    o = (-buf.ctypes.data % LINE) // buf.itemsize
+    return buf[o:o + n]

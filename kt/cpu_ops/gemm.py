@@ -13,7 +13,7 @@ import numpy as np
 
 from ..config import QuantScheme
 from ..reference import to_numpy_f32
-from . import isa, registry
+from . import _align, isa, registry
 from .packing import PackedWeight
 from .tiling import TileConfig, choose
 
@@ -73,8 +73,8 @@ def activation_buffers(m: int, packed: PackedWeight) -> tuple[np.ndarray, ...]:
     """Empty activation operands for M tokens: (xq int8 [M, d_pad], xs fp32 [M]) for INT8/INT4,
     (xb uint16 [M, d_pad],) for BF16."""
     if packed.scheme is QuantScheme.BF16:
-        return (np.empty((m, packed.d_pad), np.uint16),)
-    return np.empty((m, packed.d_pad), np.int8), np.empty(m, np.float32)
+        return (_align.empty((m, packed.d_pad), np.uint16),)
+    return _align.empty((m, packed.d_pad), np.int8), _align.empty(m, np.float32)
 
 
 def prepare_activations(x: np.ndarray, packed: PackedWeight, bufs: tuple[np.ndarray, ...]) -> None:
@@ -131,7 +131,7 @@ def linear(x, packed: PackedWeight, variant: str | None = None, op: str | None =
     kernel = kernel_for(tile.op, packed.scheme, variant)
     bufs = activation_buffers(m, packed)
     prepare_activations(x, packed, bufs)
-    out = np.empty((m, packed.n_pad), np.float32)
+    out = _align.empty((m, packed.n_pad), np.float32)
     step = max(1, tile.n_blocks_per_task)
     for nb0 in range(0, packed.num_blocks, step):
         launch(kernel, packed, bufs, out, nb0, min(nb0 + step, packed.num_blocks))

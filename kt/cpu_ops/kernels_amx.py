@@ -47,6 +47,7 @@ import numpy as np
 from numba import njit
 
 from . import cache
+from ._simd import empty_line
 from ..reference import INT4_RATIO_MAX
 from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, prefetch_w, ratio_row16, require_amx,
                    row16_fma, row16_max, row16_mul_store, row16_scale_store, set_tilecfg, tdpbf16ps,
@@ -118,7 +119,7 @@ def _pack_a(x, ks, kel):
     m_all = x.shape[0]
     xel = x.strides[0] // x.itemsize
     mt = (m_all + 31) // 32 * 2
-    a = np.empty((mt, ks, 16, kel), x.dtype)
+    a = empty_line(mt * ks * 16 * kel, x.dtype).reshape((mt, ks, 16, kel))
     for m in range(m_all, mt * 16):  # padding rows only
         for s in range(ks):
             for c in range(kel):
@@ -155,7 +156,7 @@ def _gemv_pf(a, data, out, nb0, nb1, pf, bf, xs, scale):
     ost = out.strides[0] // 4
     blk = data.shape[1] * (32 if bf else 64)
     cfg = np.zeros(64, np.uint8)
-    cb = np.empty((16, 64), np.int32)
+    cb = empty_line(1024, np.int32).reshape((16, 64))
     cbf = cb.view(np.float32)
     rows_cfg = 0
     for m0 in range(0, m_all, 16):
@@ -353,7 +354,7 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, pfb, l2, pfw, bf, xs, scale):
     blk = data.shape[1] * (32 if bf else 64)
     ap = _pack_a(a, ks, kel)
     mpad = ap.shape[0] * 16
-    cp = np.empty((32, 32), np.int32)
+    cp = empty_line(1024, np.int32).reshape((32, 32))
     cpf = cp.view(np.float32)
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
@@ -426,9 +427,9 @@ def gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1, pfg):
     xst = xq.strides[0]
     ost = out.strides[0] // 4
     lines = data.shape[1]
-    bs = np.empty(64 * g, np.int8)       # 4 blocks x G/4 k4 rows x 64 B
-    cb = np.empty((16, 64), np.int32)
-    acc = np.empty((16, 64), np.float32)
+    bs = empty_line(64 * g, np.int8)       # 4 blocks x G/4 k4 rows x 64 B
+    cb = empty_line(1024, np.int32).reshape((16, 64))
+    acc = empty_line(1024, np.float32).reshape((16, 64))
     cfg = np.zeros(64, np.uint8)
     rows_cfg = 0
     for m0 in range(0, m_all, 16):
@@ -504,9 +505,9 @@ def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, l2
     lines = data.shape[1]
     ap = _pack_a(xq, ks, 64)
     mpad = ap.shape[0] * 16
-    bs = np.empty(32 * kc, np.int8)      # 2 blocks x kc/4 k4 rows x 64 B
-    acc = np.empty((mc, 32), np.float32)
-    cb = np.empty((32, 32), np.int32)
+    bs = empty_line(32 * kc, np.int8)      # 2 blocks x kc/4 k4 rows x 64 B
+    acc = empty_line(mc * 32, np.float32).reshape((mc, 32))
+    cb = empty_line(1024, np.int32).reshape((32, 32))
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, tk)
     for mc0 in range(0, mpad, mc):
@@ -594,8 +595,8 @@ def _int4_ratios(scale, nb0, nb1, srow, rx):
     [16 (nb1 - nb0)] holds each column's s_row and rx [(nb1 - nb0) * ng * 64] each (block, group)'s
     16 ratios, each repeated for its 4 k (the byte order of a packed k4 row)."""
     ng = scale.shape[1]
-    m = np.empty(16, np.float32)
-    inv = np.empty(16, np.float32)
+    m = empty_line(16, np.float32)
+    inv = empty_line(16, np.float32)
     for b in range(nb0, nb1):
         lb = b - nb0
         m[:] = 0.0
@@ -631,8 +632,8 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
     ap = _pack_a(xq, ks, 64)
     mpad = ap.shape[0] * 16
     blk = ks * 1024                  # one unpacked block: ks k-step tiles of 1 KiB
-    bs = np.empty(2 * blk, np.int8)
-    cp = np.empty((32, 32), np.int32)
+    bs = empty_line(2 * blk, np.int8)
+    cp = empty_line(1024, np.int32).reshape((32, 32))
     cpf = cp.view(np.float32)
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
@@ -666,8 +667,8 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     with no per-group flush. Other scales (weights quantised elsewhere): ``gemm_int4_blocked``,
     2x2 tiles with the per-group fp32 flush."""
     nbr = max(nb1 - nb0, 0)
-    srow = np.empty(nbr * 16, np.float32)
-    rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
+    srow = empty_line(nbr * 16, np.float32)
+    rx = empty_line(nbr * scale.shape[1] * 64, np.int8)
     mc = default_mc(xq.shape[1])
     if _int4_ratios(scale, nb0, nb1, srow, rx):
         gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, True)
@@ -707,7 +708,7 @@ def _gemm_blocked(a, data, out, nb0, nb1, mc, kcs, pf, bf, xs, scale):
     blk = data.shape[1] * (32 if bf else 64)
     ap = _pack_a(a, ks, kel)
     mpad = ap.shape[0] * 16
-    cp = np.empty((mc, 32), np.int32)
+    cp = empty_line(mc * 32, np.int32).reshape((mc, 32))
     cpf = cp.view(np.float32)
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
@@ -816,7 +817,7 @@ def _peak(iters, bf, zero):
     default "peak": fractions of it are conservative."""
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
-    buf = np.empty(4096, np.uint8)
+    buf = empty_line(4096, np.uint8)
     v = np.uint32(12345)
     for i in range(4096):
         v = v * np.uint32(1664525) + np.uint32(1013904223)

@@ -34,7 +34,7 @@ from numba import njit
 
 from . import cache
 from ._simd import (
-    bcast4_i32x16, cvt_i32_f32, dpbf16ps512, load_f32x16, load_i32x16, pf_next, prefetch,
+    bcast4_i32x16, cvt_i32_f32, dpbf16ps512, empty_line, load_f32x16, load_i32x16, pf_next, prefetch,
     splat_f32x16, splat_i32x16, store, vadd, vand, vfma, vmul, vpdpbusd512, vsll, vsra, vsrl, vsub,
     vxor)
 from .actquant import group_sums
@@ -51,7 +51,7 @@ _NHI = np.int32(-252645136)  # 0xF0F0F0F0
 def _offset_rows(xq):
     """xq int8 [M, d_pad] -> uint8 [M, d_pad] = xq + 128 (d_pad a multiple of 64)."""
     m_count, d_pad = xq.shape
-    xu = np.empty((m_count, d_pad), np.uint8)
+    xu = empty_line(m_count * d_pad, np.uint8).reshape((m_count, d_pad))
     flip = splat_i32x16(_FLIP)
     xrow = xq.strides[0]
     for m in range(m_count):

@@ -18,7 +18,8 @@ import numpy as np
 
 from ..config import QuantScheme, check_activations
 from . import _moe_driver as drv
-from .packing import BLOCK_N, PackedWeight, pack
+from . import _align
+from .packing import BLOCK_N, PackedWeight, aligned_packed, pack
 from .pool import CpuPool, default_pool
 
 __all__ = ["CPUMoE", "MoEHandle", "GatedHandle", "GateResult", "gemv_max_rows"]
@@ -152,9 +153,9 @@ def _pack_stack(mats, e_count, scheme, group_size) -> PackedWeight:
         p = pack(mats(e), scheme, group_size)
         if first is None:
             first = p
-            data = np.empty((e_count,) + p.data.shape, p.data.dtype)
-            scale = np.empty((e_count,) + p.scale.shape, p.scale.dtype)
-            wsum = np.empty((e_count,) + p.wsum.shape, p.wsum.dtype)
+            data = _align.empty((e_count,) + p.data.shape, p.data.dtype)
+            scale = _align.empty((e_count,) + p.scale.shape, p.scale.dtype)
+            wsum = _align.empty((e_count,) + p.wsum.shape, p.wsum.dtype)
         data[e] = p.data
         scale[e] = p.scale
         wsum[e] = p.wsum
@@ -282,7 +283,8 @@ class CPUMoE:
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
         self.scheme = w13.scheme
         self.activations = activations
-        self.w13, self.w2 = w13, w2
+        # kernels read 64-byte rows: weights from elsewhere are copied once if they straddle lines
+        self.w13, self.w2 = aligned_packed(w13), aligned_packed(w2)
         self.num_experts, self.hidden, self.intermediate = E, H, I
         self.up_offset = int(up_offset)
         self.group_size = w13.group_size

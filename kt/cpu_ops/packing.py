@@ -27,8 +27,9 @@ import numpy as np
 
 from ..config import GROUP_SIZES, QuantScheme
 from .. import reference as ref
+from . import _align
 
-__all__ = ["PackedWeight", "pack", "unpack", "pack_quantized", "padded_dims", "pack_experts",
+__all__ = ["PackedWeight", "pack", "unpack", "pack_quantized", "aligned_packed", "padded_dims", "pack_experts",
            "BLOCK_N", "D_ALIGN"]
 
 BLOCK_N = 16
@@ -83,7 +84,7 @@ def _to_lines(q: np.ndarray, n_pad: int, d_pad: int, per: int, dtype) -> np.ndar
     n, d = q.shape
     full = np.zeros((n_pad, d_pad), dtype)
     full[:n, :d] = q
-    return np.ascontiguousarray(
+    return _align.aligned(
         full.reshape(n_pad // BLOCK_N, BLOCK_N, d_pad // per, per).transpose(0, 2, 1, 3))
 
 
@@ -101,9 +102,9 @@ def pack_quantized(qw: ref.QuantizedWeight, group_size: int = 64) -> PackedWeigh
     empty_i = np.zeros(0, np.int32)
     if scheme is QuantScheme.INT8:
         data = _to_lines(qw.q, n_pad, d_pad, 4, np.int8)
-        scale = np.zeros(n_pad, np.float32)
+        scale = _align.zeros(n_pad, np.float32)
         scale[:n] = qw.scale
-        wsum = np.zeros(n_pad, np.int32)
+        wsum = _align.zeros(n_pad, np.int32)
         wsum[:n] = qw.q.astype(np.int32).sum(axis=1)
         return PackedWeight(scheme, n, d, n_pad, d_pad, 0, data, scale, wsum)
     if scheme is QuantScheme.INT4:
@@ -112,15 +113,24 @@ def pack_quantized(qw: ref.QuantizedWeight, group_size: int = 64) -> PackedWeigh
             mask = _to_lines(np.ones((n, d), np.uint8), n_pad, d_pad, 4, np.uint8)
             nib = np.where(mask == 1, nib, np.uint8(8))
         # nib is [NB, d_pad/4, 16, 4]; k4 rows 2j and 2j+1 share a byte.
-        data = np.ascontiguousarray((nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8))
+        data = _align.aligned((nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8))
         ng = d_pad // g
         sc = np.zeros((n_pad, ng), np.float32)
         sc[:n, : qw.scale.shape[1]] = qw.scale
-        scale = np.ascontiguousarray(sc.reshape(n_pad // BLOCK_N, BLOCK_N, ng).transpose(0, 2, 1))
+        scale = _align.aligned(sc.reshape(n_pad // BLOCK_N, BLOCK_N, ng).transpose(0, 2, 1))
         return PackedWeight(scheme, n, d, n_pad, d_pad, g, data, scale, empty_i)
     bits = ref.f32_to_bf16_bits(qw.q)
     data = _to_lines(bits, n_pad, d_pad, 2, np.uint16)
     return PackedWeight(scheme, n, d, n_pad, d_pad, 0, data, np.zeros(0, np.float32), empty_i)
+
+
+def aligned_packed(p: PackedWeight) -> PackedWeight:
+    """``p`` itself when its arrays are C-contiguous and start at 64-byte boundaries, else a copy
+    that does (see ``_align``: the kernels read 64-byte rows)."""
+    arrs = [_align.aligned(a) for a in (p.data, p.scale, p.wsum)]
+    if all(a is b for a, b in zip(arrs, (p.data, p.scale, p.wsum))):
+        return p
+    return PackedWeight(p.scheme, p.n, p.d, p.n_pad, p.d_pad, p.group_size, *arrs)
 
 
 def pack(w, scheme: QuantScheme | str, group_size: int = 64) -> PackedWeight:
@@ -160,5 +170,5 @@ def pack_experts(w, scheme: QuantScheme | str, group_size: int = 64) -> PackedWe
     parts = [pack(w[e], scheme, group_size) for e in range(shape[0])]
     p0 = parts[0]
     return PackedWeight(scheme, p0.n, p0.d, p0.n_pad, p0.d_pad, p0.group_size,
-                        np.stack([p.data for p in parts]), np.stack([p.scale for p in parts]),
-                        np.stack([p.wsum for p in parts]))
+                        *(_align.aligned(np.stack(arrs)) for arrs in zip(
+                            *((p.data, p.scale, p.wsum) for p in parts))))

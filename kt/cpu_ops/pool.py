@@ -41,6 +41,7 @@ from llvmlite import ir
 
 from .._sysinfo import numa_topology
 
+from . import _align
 from . import cache as _cache
 
 _cache.install()
@@ -594,7 +595,7 @@ class CpuPool:
         key = f"{name}:{dtype.str}"
         buf = self._scratch.get(key)
         if buf is None or buf.size < size:
-            buf = np.empty(max(int(size), 1), dtype)
+            buf = _align.empty(max(int(size), 1), dtype)
             self._scratch[key] = buf
             self.scratch_version += 1
         return buf[:size]

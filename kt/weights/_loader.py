@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import MoEShape, QuantScheme
+from ..cpu_ops import _align
 from ..cpu_ops.packing import BLOCK_N, D_ALIGN, PackedWeight, padded_dims
 from ._format import WeightFormatError, checksum_of_same_kind, read_manifest
 from ._pack import fill_padding_rows, packed_array_specs
@@ -255,8 +256,8 @@ def _check_map(p2l, E: int) -> np.ndarray:
 
 def _take_experts(p: PackedWeight, idx: np.ndarray) -> PackedWeight:
     return PackedWeight(p.scheme, p.n, p.d, p.n_pad, p.d_pad, p.group_size,
-                        np.take(p.data, idx, axis=0), np.take(p.scale, idx, axis=0),
-                        np.take(p.wsum, idx, axis=0))
+                        *(np.take(a, idx, axis=0, out=_align.empty((len(idx),) + a.shape[1:], a.dtype))
+                          for a in (p.data, p.scale, p.wsum)))
 
 
 # ---------------------------------------------------------------------------- NUMA shards
@@ -268,7 +269,7 @@ def take_rows(p: PackedWeight, rows: np.ndarray, g: int) -> PackedWeight:
     E = p.data.shape[0]
     n_o = len(rows)
     specs = packed_array_specs(sch, E, n_o, p.d, g)
-    data, scale, wsum = (np.empty(*specs[k]) for k in ("data", "scale", "wsum"))
+    data, scale, wsum = (_align.empty(*specs[k]) for k in ("data", "scale", "wsum"))
     o = 0
     while o < n_o:
         s = int(rows[o])
@@ -309,13 +310,13 @@ def take_cols(p: PackedWeight, d0: int, d1: int, g: int) -> PackedWeight:
     n_pad, d_pad = padded_dims(p.n, d1 - d0, sch, g)
     per = {QuantScheme.INT8: 4, QuantScheme.INT4: 8, QuantScheme.BF16: 2}[sch]
     j0 = d0 // per
-    data = np.ascontiguousarray(p.data[:, :, j0:j0 + d_pad // per])
+    data = _align.aligned(p.data[:, :, j0:j0 + d_pad // per])
     if sch is QuantScheme.INT8:
-        scale = np.array(p.scale)
+        scale = _align.aligned(p.scale.copy())
         wsum = data.astype(np.int32).sum(axis=(2, 4)).reshape(data.shape[0], -1)
-        wsum = np.ascontiguousarray(wsum, np.int32)
+        wsum = _align.aligned(wsum.astype(np.int32))
     elif sch is QuantScheme.INT4:
-        scale = np.ascontiguousarray(p.scale[:, :, d0 // g: d0 // g + d_pad // g])
+        scale = _align.aligned(p.scale[:, :, d0 // g: d0 // g + d_pad // g])
         wsum = np.zeros((data.shape[0], 0), np.int32)
     else:
         scale, wsum = np.zeros((data.shape[0], 0), np.float32), np.zeros((data.shape[0], 0), np.int32)
