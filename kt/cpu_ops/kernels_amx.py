@@ -309,7 +309,15 @@ def _pipe_panel(ap, a0, a1, data, o0, o1, ks, sb, bf, pfb, nxt0, nxt1, pl0, per,
 def _store_panel(cp, cpf, out, m0, ost, n0, rows, two, bf, scale, so, xs):
     """Tiles C 0-3 (a 32x32 panel of rows m0.., columns n0..) -> out: the fp32 sums copied (bf),
     or the int32 sums times xs[m] * scale[so + j]; the second 16 columns only if two. cp is the
-    [32, 32] int32 staging buffer, cpf the same buffer as fp32."""
+    [32, 32] int32 staging buffer, cpf the same buffer as fp32. A full BF16 panel needs no
+    staging: its tiles are stored straight into out (the vector copies between panels kept the
+    tile unit idle; an INT8 panel's scaling still needs them)."""
+    if bf and rows == 32 and two:
+        tilestored64(0, out, m0 * ost + n0, 4 * ost)
+        tilestored64(1, out, m0 * ost + n0 + 16, 4 * ost)
+        tilestored64(2, out, (m0 + 16) * ost + n0, 4 * ost)
+        tilestored64(3, out, (m0 + 16) * ost + n0 + 16, 4 * ost)
+        return
     tilestored64(0, cp, 0, 128)
     tilestored64(1, cp, 16, 128)
     tilestored64(2, cp, 512, 128)
