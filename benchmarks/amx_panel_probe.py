@@ -53,6 +53,14 @@ VARIANTS = {  # pfa (A L1 distance), pfb (B L1 distance), raw epilogue, 1x2 doub
     "alAB": (0, 0, False, False, True, True),
     "alAB_raw": (0, 0, True, False, True, True),
     "alAB_pfab2": (2, 2, False, False, True, True),
+    # K slices of kcs k-steps (the pair's B slice stays in L1 across the chunk's panels; partial
+    # sums stored and reloaded as tiles), aligned buffers
+    "alAB_kc8": (0, 0, False, False, True, True, 8),
+    "alAB_kc16": (0, 0, False, False, True, True, 16),
+    # raw tiles stored into the output, then scaled in place: after each block pair over the
+    # chunk's panels (2), or once at the end of the call (3)
+    "alAB_rawpair": (0, 0, 2, False, True, True),
+    "alAB_rawend": (0, 0, 3, False, True, True),
 }
 
 
@@ -70,12 +78,13 @@ def aligned_copy(a, off=0):
     return b
 
 
-def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo):
+def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo, kcs=0):
     from kt.cpu_ops._amx import (prefetch_l1, prefetch_l2, prefetch_w, row16_scale_store, tdpbssd,
                                  tileloadd64, tilerelease, tilestored64, tilezero)
 
     config, pair_pf, store_panel = KA._config, KA._pipe_pair_prefetch, KA._store_panel
     copy64 = KA.copy64
+    empty_line = KA.empty_line
 
     @njit(nogil=True)
     def pack_a_al(x, ks, kel):
@@ -189,6 +198,90 @@ def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo):
         return pl
 
     @njit(nogil=True)
+    def slice22(ap, a0, a1, data, o0, o1, s0, s1, sb, first, part, po):
+        """k-steps [s0, s1) of a 2x2 panel; C from the partial sums at part[po:] unless first."""
+        if first:
+            tilezero(0)
+            tilezero(1)
+            tilezero(2)
+            tilezero(3)
+        else:
+            tileloadd64(0, part, po, 128)
+            tileloadd64(1, part, po + 16, 128)
+            tileloadd64(2, part, po + 512, 128)
+            tileloadd64(3, part, po + 528, 128)
+        tileloadd64(4, ap, a0 + s0 * sb, 64)
+        tileloadd64(6, data, o0 + s0 * sb, 64)
+        tileloadd64(5, ap, a1 + s0 * sb, 64)
+        tileloadd64(7, data, o1 + s0 * sb, 64)
+        for s in range(s0, s1):
+            nxt = s + 1 < s1
+            tdpbssd(0, 4, 6)
+            tdpbssd(1, 4, 7)
+            if nxt:
+                tileloadd64(4, ap, a0 + (s + 1) * sb, 64)
+            tdpbssd(2, 5, 6)
+            if nxt:
+                tileloadd64(6, data, o0 + (s + 1) * sb, 64)
+            tdpbssd(3, 5, 7)
+            if nxt:
+                tileloadd64(5, ap, a1 + (s + 1) * sb, 64)
+                tileloadd64(7, data, o1 + (s + 1) * sb, 64)
+
+    @njit(nogil=True)
+    def gemm_ks(a, xs, data, scale, out, nb0, nb1, mc):
+        m_all = a.shape[0]
+        ks = a.shape[1] // 64
+        sb = 1024
+        ost = out.strides[0] // 4
+        blk = data.shape[1] * 64
+        ap = pack_a(a, ks, 64)
+        mpad = ap.shape[0] * 16
+        part = empty_line(mc * 32, np.int32)
+        cp = empty_line(1024, np.int32).reshape((32, 32))
+        cpf = cp.view(np.float32)
+        cfg = np.zeros(64, np.uint8)
+        config(cfg, 16, 64)
+        for mc0 in range(0, mpad, mc):
+            mc1 = min(mc0 + mc, mpad)
+            npan = (mc1 - mc0) // 32
+            for b in range(nb0, nb1, 2):
+                o0 = b * blk
+                o1 = o0 + blk if b + 1 < nb1 else o0
+                two = b + 1 < nb1
+                n0, n1, nlines, per = pair_pf(b, nb1, blk, npan, ks)
+                pl = 0
+                for s0 in range(0, ks, kcs):
+                    s1 = min(ks, s0 + kcs)
+                    for mp in range(mc0, mc1, 32):
+                        a0 = (mp // 16) * ks * sb
+                        po = (mp - mc0) * 32
+                        for _ in range((s1 - s0) * per):
+                            if pl < nlines:
+                                prefetch_l2(data, n0 + 64 * pl)
+                            elif pl < 2 * nlines:
+                                prefetch_l2(data, n1 + 64 * (pl - nlines))
+                            pl += 1
+                        slice22(ap, a0, a0 + ks * sb, data, o0, o1, s0, s1, sb, s0 == 0, part, po)
+                        if s1 < ks:
+                            tilestored64(0, part, po, 128)
+                            tilestored64(1, part, po + 16, 128)
+                            tilestored64(2, part, po + 512, 128)
+                            tilestored64(3, part, po + 528, 128)
+                        else:
+                            rows = min(32, m_all - mp)
+                            store_panel(cp, cpf, out, mp, ost, 16 * b, rows, two, False, scale,
+                                        16 * b, xs)
+        tilerelease()
+
+    @njit(nogil=True)
+    def scale_full(out, oi32, m0, m1, ost, b0, b1, scale, xs):
+        """In place: the int32 sums of rows [m0, m1) x blocks [b0, b1) -> fp32 scaled."""
+        for m in range(m0, m1):
+            for b in range(b0, b1):
+                row16_scale_store(out, m * ost + 16 * b, oi32, m * ost + 16 * b, scale, 16 * b, xs[m])
+
+    @njit(nogil=True)
     def gemm(a, xs, data, scale, out, nb0, nb1, mc):
         m_all = a.shape[0]
         ks = a.shape[1] // 64
@@ -231,7 +324,9 @@ def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo):
                         continue
                     pl = panel22(ap, a0, a0 + ks * sb, data, o0, o1, ks, sb, n0, n1, pl, per,
                                  nlines, out, mp * ost + 16 * b, ost, rows, two)
-                    if raw and rows == 32 and two:
+                    if raw > 1 and not (rows == 32 and two):
+                        store_panel(cp, cpf, out, mp, ost, 16 * b, rows, two, False, scale, 16 * b, xs)
+                    elif raw and rows == 32 and two:
                         tilestored64(0, oi32, mp * ost + 16 * b, 4 * ost)
                         tilestored64(1, oi32, mp * ost + 16 * b + 16, 4 * ost)
                         tilestored64(2, oi32, (mp + 16) * ost + 16 * b, 4 * ost)
@@ -246,9 +341,14 @@ def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo):
                                 oi32[mp + i, 16 * b + j] = cp[i, j]
                     else:
                         store_panel(cp, cpf, out, mp, ost, 16 * b, rows, two, False, scale, 16 * b, xs)
+                if raw == 2 and two:
+                    scale_full(out, oi32, mc0, min(mc1, m_all // 32 * 32), ost, b, b + 2, scale, xs)
+            if raw == 3:
+                scale_full(out, oi32, mc0, min(mc1, m_all // 32 * 32), ost, nb0, nb1 - (nb1 - nb0) % 2, scale,
+                           xs)
         tilerelease()
 
-    return gemm
+    return gemm_ks if kcs > 0 else gemm
 
 
 def peak2(KA, cpus, iters=200000):
@@ -339,7 +439,7 @@ def main(argv=None):
             for name, f in fs.items():  # compile, and check against the shipped kernel
                 o = np.full((m, p.n_pad), np.nan, np.float32)
                 f(p.data, o)
-                if "raw" in name:
+                if name.endswith("raw"):
                     o = o.view(np.int32).astype(np.float32) * (xs[:, None] * p.scale[None, :])
                 err = float(np.max(np.abs(o - ref)) / np.max(np.abs(ref)))
                 if not err <= 1e-6:

@@ -27,7 +27,7 @@ from numba.extending import intrinsic, register_jitable
 __all__ = [
     "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
     "tileloadd64", "tilestored64", "tdpbssd", "tdpbsud", "tdpbf16ps",
-    "row16_scale_store", "row16_fma", "row16_mul_store", "row16_max", "ratio_row16", "copy64",
+    "row16_scale_store", "row16_scale_bits", "row16_fma", "row16_mul_store", "row16_max", "ratio_row16", "copy64",
     "unpack_int4_line", "unpack_int4_line_mul", "prefetch_l1", "prefetch_l2", "prefetch_w",
 ]
 
@@ -268,6 +268,25 @@ def row16_scale_store(typingctx, out, oi, c, ci, s, si, xm):
         return context.get_dummy_value()
 
     return types.none(out, oi, c, ci, s, si, xm), codegen
+
+
+@intrinsic
+def row16_scale_bits(typingctx, out, oi, s, si, xm):
+    """In place: out[oi : oi+16] holds int32 sums (a tile stored into the fp32 array) and
+    becomes (fp32(sums) * xm) * s[si : si+16], as ``row16_scale_store`` computes it."""
+    _dtype_is(out, types.float32, "row16_scale_bits out")
+    _dtype_is(s, types.float32, "row16_scale_bits s")
+
+    def codegen(context, builder, sig, args):
+        o = _vptr(context, builder, sig, args, 0, _F32X16)
+        cv = builder.load(builder.bitcast(o, _I32X16.as_pointer()), align=4)
+        sv = builder.load(_vptr(context, builder, sig, args, 2, _F32X16), align=4)
+        x = context.cast(builder, args[4], sig.args[4], types.float32)
+        r = builder.fmul(builder.fmul(builder.sitofp(cv, _F32X16), _splat(builder, x, _F32X16)), sv)
+        builder.store(r, o, align=4)
+        return context.get_dummy_value()
+
+    return types.none(out, oi, s, si, xm), codegen
 
 
 @intrinsic

@@ -50,9 +50,9 @@ from . import cache
 from ._simd import empty_line
 from ..reference import INT4_RATIO_MAX
 from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, prefetch_w, ratio_row16, require_amx,
-                   row16_fma, row16_max, row16_mul_store, row16_scale_store, set_tilecfg, tdpbf16ps,
-                   tdpbssd, tilezero, tileloadd64, tilerelease, tilestored64, unpack_int4_line,
-                   unpack_int4_line_mul)
+                   row16_fma, row16_max, row16_mul_store, row16_scale_bits, row16_scale_store,
+                   set_tilecfg, tdpbf16ps, tdpbssd, tilezero, tileloadd64, tilerelease, tilestored64,
+                   unpack_int4_line, unpack_int4_line_mul)
 
 AMX_MODE = require_amx()
 cache.install()
@@ -307,12 +307,16 @@ def _pipe_panel(ap, a0, a1, data, o0, o1, ks, sb, bf, pfb, nxt0, nxt1, pl0, per,
 
 @njit(nogil=True, cache=True, inline="always")
 def _store_panel(cp, cpf, out, m0, ost, n0, rows, two, bf, scale, so, xs):
-    """Tiles C 0-3 (a 32x32 panel of rows m0.., columns n0..) -> out: the fp32 sums copied (bf),
-    or the int32 sums times xs[m] * scale[so + j]; the second 16 columns only if two. cp is the
-    [32, 32] int32 staging buffer, cpf the same buffer as fp32. A full BF16 panel needs no
-    staging: its tiles are stored straight into out (the vector copies between panels kept the
-    tile unit idle; an INT8 panel's scaling still needs them)."""
-    if bf and rows == 32 and two:
+    """Tiles C 0-3 (a 32x32 panel of rows m0.., columns n0..) -> out.
+
+    A full panel (32 rows, both blocks) is stored straight into out: the fp32 sums (bf), or the
+    int32 sums, which ``_scale_full`` turns into fp32 once the M chunk is done. Staging the tiles
+    and scaling 64 rows here, between one panel's products and the next one's, kept the tile unit
+    idle: on the device the INT8 GEMM ran 1.1-1.4x faster without it (benchmarks/
+    amx_panel_probe.py, session 8). Other panels go through cp (the [32, 32] int32 staging
+    buffer, cpf the same as fp32): the fp32 sums copied, or the int32 sums times
+    xs[m] * scale[so + j]; the second 16 columns only if two."""
+    if rows == 32 and two:
         tilestored64(0, out, m0 * ost + n0, 4 * ost)
         tilestored64(1, out, m0 * ost + n0 + 16, 4 * ost)
         tilestored64(2, out, (m0 + 16) * ost + n0, 4 * ost)
@@ -333,6 +337,18 @@ def _store_panel(cp, cpf, out, m0, ost, n0, rows, two, bf, scale, so, xs):
                 copy64(out, oi + 16, cpf, i * 32 + 16)
             else:
                 row16_scale_store(out, oi + 16, cp, i * 32 + 16, scale, so + 16, xs[m0 + i])
+
+
+@njit(nogil=True, cache=True)
+def _scale_full(out, ost, m0, m1, m_all, nb0, nb1, scale, s0, xs):
+    """The int32 sums ``_store_panel`` left in the full panels of M chunk [m0, m1) x blocks
+    [nb0, nb1) -> fp32 times xs[m] * scale[16 b - s0 + j], in place. Full panels: rows below
+    m_all rounded down to 32, blocks of whole pairs (an odd last block was scaled when stored)."""
+    m1 = min(m1, m_all // 32 * 32)
+    b1 = nb1 - (nb1 - nb0) % 2
+    for m in range(m0, m1):
+        for b in range(nb0, b1):
+            row16_scale_bits(out, m * ost + 16 * b, scale, 16 * b - s0, xs[m])
 
 
 @njit(nogil=True, cache=True)
@@ -384,6 +400,8 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, pfb, l2, pfw, bf, xs, scale):
                                  pfb if mp == mc0 else 0, n0, n1, pl, per, nlines,
                                  out, mp * ost + 16 * b, ost, rows if pfw else 0, b + 1 < nb1)
                 _store_panel(cp, cpf, out, mp, ost, 16 * b, rows, b + 1 < nb1, bf, scale, 16 * b, xs)
+        if not bf:
+            _scale_full(out, ost, mc0, mc1, m_all, nb0, nb1, scale, 0, xs)
     tilerelease()
 
 
@@ -665,6 +683,7 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
                 _pipe_panel(ap, a0, a0 + ks * 1024, bs, 0, o1, ks, 1024, False, 0, 0, 0, 0, 0, 0,
                             out, mp * ost + 16 * b, ost, rows if pfw else 0, two)
                 _store_panel(cp, cpf, out, mp, ost, 16 * b, rows, two, False, srow, so, xs)
+        _scale_full(out, ost, mc0, mc1, m_all, nb0, nb1, srow, 16 * nb0, xs)
     tilerelease()
 
 

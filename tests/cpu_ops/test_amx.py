@@ -365,6 +365,11 @@ class TileUnit:
         r = (self._flat(c, ci, 16).astype(np.float32) * np.float32(xm)) * self._flat(s, si, 16)
         self._flat(out, oi, 16)[:] = r
 
+    def row16_scale_bits(self, out, oi, s, si, xm):
+        o = self._flat(out, oi, 16)
+        assert o.dtype == np.float32
+        o[:] = (o.view(np.int32).astype(np.float32) * np.float32(xm)) * self._flat(s, si, 16)
+
     def row16_fma(self, acc, ai, c, ci, s, si):
         a = self._flat(acc, ai, 16)
         prod = self._flat(s, si, 16).astype(np.float64) * self._flat(c, ci, 16).astype(np.float64)
@@ -454,7 +459,8 @@ def emulated_kernels(monkeypatch):
     spec.loader.exec_module(mod)
     unit = TileUnit()
     for name in ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tilestored64",
-                 "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_fma", "row16_mul_store",
+                 "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_scale_bits", "row16_fma",
+                 "row16_mul_store",
                  "copy64", "unpack_int4_line", "unpack_int4_line_mul", "row16_max", "ratio_row16",
                  "prefetch_l1", "prefetch_l2", "prefetch_w"):
         setattr(mod, name, getattr(unit, name))
