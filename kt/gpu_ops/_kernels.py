@@ -48,23 +48,32 @@ def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, row_mask, col_mask, H, stride_xh, stride_wh,
+def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, w_desc, g_row, I, row_mask, col_mask, H, stride_xh, stride_wh,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 CT: tl.constexpr, UPCAST: tl.constexpr):
+                 TMA_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr):
     """Gate and up accumulators [ROWS, BLOCK_N] of the gathered activation rows (a_ptrs, rows where
     row_mask) against the weight tiles (g_ptrs / u_ptrs: [BLOCK_K, BLOCK_N], columns where
-    col_mask), over all of H."""
+    col_mask), over all of H. TMA_W: the weight tiles come from w_desc instead, a TMA descriptor of
+    w13 seen as [S*2I, H] with [BLOCK_N, BLOCK_K] boxes, gate rows from g_row and up rows I further:
+    rows past this expert's gate (or up) rows only feed columns that are never stored, and columns
+    past H read as zeros."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(H, BLOCK_K)):
         k_mask = offs_k < H - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        bg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        bu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         a = _cast(a, CT, UPCAST)
-        acc_g = tl.dot(a, _cast(bg, CT, UPCAST), acc_g)
-        acc_u = tl.dot(a, _cast(bu, CT, UPCAST), acc_u)
+        if TMA_W:
+            bg = w_desc.load([g_row, kb * BLOCK_K])
+            bu = w_desc.load([g_row + I, kb * BLOCK_K])
+            acc_g = tl.dot(a, tl.trans(_cast(bg, CT, UPCAST)), acc_g)
+            acc_u = tl.dot(a, tl.trans(_cast(bu, CT, UPCAST)), acc_u)
+        else:
+            bg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc_g = tl.dot(a, _cast(bg, CT, UPCAST), acc_g)
+            acc_u = tl.dot(a, _cast(bu, CT, UPCAST), acc_u)
         a_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
@@ -83,7 +92,7 @@ def _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n, n_mask, I, stride_se, stride_s
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, w13_ptr, s13_ptr, h_ptr,
+    x_ptr, w13_ptr, w_desc, s13_ptr, h_ptr,
     sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
     num_valid, H, I, top_k,
     stride_xt, stride_xh,
@@ -91,16 +100,19 @@ def gate_up_kernel(
     stride_se, stride_sn,
     stride_hm, stride_hi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
+    INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """h[n, :] = silu(gate_s x_t) * (up_s x_t) for every token-slot n = t*K + k routed to slot s.
 
     x [T, H]; w13 [S, 2I, H] (gate rows, then up rows); s13 [S, 2I] fp32 (INT8_W only);
     h [N, I] in the compute dtype. Tile: BLOCK_M sorted rows x BLOCK_N columns of gate and of up.
+    TMA_W: weight tiles through w_desc (see _gate_up_acc). FLATTEN: the tile loop flattened with the
+    k loop, so the pipeliner loads the next tile while this one's epilogue runs (one program per SM).
     """
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(I, BLOCK_N)
-    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
         slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -113,8 +125,9 @@ def gate_up_kernel(
 
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
         g_ptrs = w13_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
-        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, m_mask, n_mask, H, stride_xh,
-                                    stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, CT, UPCAST)
+        g_row = (slot * 2 * I + pid_n * BLOCK_N).to(tl.int32)  # TMA_W: in the [S*2I, H] view
+        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I, m_mask, n_mask,
+                                    H, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, CT, UPCAST)
         h = _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n[None, :], n_mask[None, :], I, stride_se, stride_sn,
                      INT8_W)
         h_ptrs = h_ptr + tl.where(m_mask, tok_slot, 0).to(tl.int64)[:, None] * stride_hm \
@@ -124,7 +137,7 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    h_ptr, w2_ptr, s2_ptr, y_ptr, topk_w_ptr,
+    h_ptr, w2_ptr, w_desc, s2_ptr, y_ptr, topk_w_ptr,
     sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
     num_valid, H, I,
     stride_hm, stride_hi,
@@ -132,16 +145,21 @@ def down_kernel(
     stride_se, stride_sn,
     stride_ym, stride_yh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
+    INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    """y[n, :] = topk_w[n] * (w2_s @ h[n, :]) in fp32, for every token-slot n routed to slot s.
+    """y[n, :] = topk_w[n] * (w2_s @ h[n, :]) summed in fp32, stored in y's dtype (fp32, or bf16
+    for a bf16 output), for every token-slot n routed to slot s.
 
-    h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only); topk_w [N] fp32; y [N, H] fp32.
+    h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only); topk_w [N] fp32; y [N, H].
     Rows of y whose token-slot is not on the GPU are left unwritten (the combine never reads them).
+    TMA_W: weight tiles through w_desc, a TMA descriptor of w2 seen as [S*H, I] ([BLOCK_N, BLOCK_K]
+    boxes; rows past this expert's H only feed columns that are never stored, columns past I read as
+    zeros). FLATTEN: as gate_up_kernel.
     """
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(H, BLOCK_N)
-    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
         slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -154,14 +172,18 @@ def down_kernel(
 
         a_ptrs = h_ptr + row[:, None] * stride_hm + offs_k[None, :] * stride_hi
         b_ptrs = w2_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wi
+        w_row = (slot * H + pid_n * BLOCK_N).to(tl.int32)  # TMA_W: in the [S*H, I] view
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(I, BLOCK_K)):
             k_mask = offs_k < I - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             a = _cast(a, CT, UPCAST)
-            b = _cast(b, CT, UPCAST)
-            acc = tl.dot(a, b, acc)
+            if TMA_W:
+                b = w_desc.load([w_row, kb * BLOCK_K])
+                acc = tl.dot(a, tl.trans(_cast(b, CT, UPCAST)), acc)
+            else:
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc = tl.dot(a, _cast(b, CT, UPCAST), acc)
             a_ptrs += BLOCK_K * stride_hi
             b_ptrs += BLOCK_K * stride_wi
         if INT8_W:
@@ -170,7 +192,7 @@ def down_kernel(
         rw = tl.load(topk_w_ptr + row, mask=m_mask, other=0.0)
         acc = acc * rw[:, None]
         y_ptrs = y_ptr + row[:, None] * stride_ym + offs_n[None, :] * stride_yh
-        tl.store(y_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -182,7 +204,7 @@ def combine_kernel(
 ):
     """out[t, :] = sum over k with slot[t*K + k] >= 0 of y[t*K + k, :], summed in fp32 in k order.
 
-    y [N, H] fp32; slot [N] int32 (-1 = not on the GPU); out [T, H] in its own dtype. Every element of
+    y [N, H] fp32 or bf16 (widened to fp32 here); slot [N] int32 (-1 = not on the GPU); out [T, H] in its own dtype. Every element of
     out is written (zeros for a token with no GPU expert), and the sum order is fixed, so the result is
     deterministic. The token's K slots are read as one vector (KP = next power of two >= K) and the k
     loop is unrolled, so the K row loads go out together instead of each behind its own slot load.
@@ -197,7 +219,7 @@ def combine_kernel(
         on = tl.sum(tl.where((kk == k) & (sv >= 0), 1, 0), 0)
         on_gpu = (offs * 0 + on) > 0  # a block-shaped mask (a scalar & block mask fails in the interpreter)
         v = tl.load(y_ptr + (t * TOP_K + k) * stride_ym + offs * stride_yh, mask=h_mask & on_gpu, other=0.0)
-        acc += v
+        acc += v.to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
@@ -332,8 +354,8 @@ def gate_up_scan_kernel(
         slot64 = slot.to(tl.int64)
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
         g_ptrs = w13_ptr + slot64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
-        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, mine, n_mask, H, stride_xh,
-                                    stride_wh, NP, BLOCK_N, BLOCK_K, CT, UPCAST)
+        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, w13_ptr, 0, I, mine, n_mask, H,
+                                    stride_xh, stride_wh, NP, BLOCK_N, BLOCK_K, False, CT, UPCAST)
         h = _silu_up(acc_g, acc_u, s13_ptr, slot64, offs_n[None, :], n_mask[None, :], I, stride_se, stride_sn,
                      INT8_W)
         h_ptrs = h_ptr + tl.where(mine, offs_p, 0).to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hi

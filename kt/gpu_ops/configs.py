@@ -55,6 +55,13 @@ class MoEConfig:
     the columns together (L2 reuse of weight tiles); num_warps / num_stages as in Triton. The down_*
     fields, when set, replace the matching field for the down kernel only (its K = I is often short and
     its N = H wide, so its best tiles differ).
+
+    tma: load the weight tiles through TMA descriptors (Hopper and later, weights contiguous with
+    16-byte aligned rows; elsewhere the kernels keep pointer loads). flatten / down_flatten: flatten
+    the persistent tile loop with the k loop, so each program loads its next tile while this one's
+    epilogue runs; such a kernel runs one program per SM. On the H200 (session 8,
+    benchmarks/gpu_prefill_probe.py, qwen3 T=4096): TMA took gate+up from 138 to 124 us; TMA, a
+    flattened loop and bf16 y (fused_moe's choice for bf16 outputs) took the down GEMM from 91 to 67.
     """
 
     block_m: int = 64
@@ -68,8 +75,15 @@ class MoEConfig:
     down_group_m: int | None = None
     down_num_warps: int | None = None
     down_num_stages: int | None = None
+    tma: bool = False
+    flatten: bool = False
+    down_flatten: bool | None = None
 
     def __post_init__(self):
+        for f in ("tma", "flatten", "down_flatten"):
+            v = getattr(self, f)
+            if not (isinstance(v, bool) or (v is None and f == "down_flatten")):
+                raise ValueError(f"MoEConfig.{f} must be a bool, got {v!r}")
         _check_pow2("MoEConfig", self, ("block_m", "block_n", "block_k"), 16)
         _check_pow2("MoEConfig", self, [f for f in ("down_block_n", "down_block_k")
                                         if getattr(self, f) is not None], 16)
@@ -86,10 +100,10 @@ class MoEConfig:
     def for_down(self) -> "MoEConfig":
         """The config the down kernel runs with (down_* fields applied)."""
         own = {}
-        for f in ("block_n", "block_k", "group_m", "num_warps", "num_stages"):
+        for f in ("block_n", "block_k", "group_m", "num_warps", "num_stages", "flatten"):
             v = getattr(self, "down_" + f)
             own[f] = getattr(self, f) if v is None else v
-        return MoEConfig(block_m=self.block_m, **own)
+        return MoEConfig(block_m=self.block_m, tma=self.tma, **own)
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":

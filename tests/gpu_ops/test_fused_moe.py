@@ -42,6 +42,42 @@ def test_forced_config_edges(run_case):
 SORTED_SMALL = dict(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=2)
 
 
+@pytest.mark.parametrize("cfg,t,k,h,i,dtype", [
+    # weight tiles through TMA descriptors: tails in I (gate tiles read into up rows, up tiles into
+    # the next slot's rows) and in H (columns past H read as zeros), int8 and fp32 weights
+    (dict(block_m=16, block_n=32, block_k=32, tma=True), 9, 3, 96, 80, "fp32"),
+    (dict(block_m=16, block_n=64, block_k=64, tma=True, flatten=True), 17, 4, 160, 96, "int8"),
+    # bf16 output: y stored in bf16; TMA for gate+up only where the down tiles are too wide for a box
+    (dict(block_m=32, block_n=32, block_k=64, tma=True, down_block_n=512, down_flatten=True), 33, 4, 128,
+     96, "bf16"),
+    # rows of H=72 fp32 (288 bytes) are 16-byte aligned, I=36 (144 bytes) too; H=70 bf16 (140 bytes) is
+    # not: those weights keep pointer loads
+    (dict(block_m=16, block_n=16, block_k=16, tma=True), 5, 2, 72, 36, "fp32"),
+    (dict(block_m=16, block_n=16, block_k=16, tma=True, flatten=True), 5, 2, 70, 40, "bf16"),
+])
+def test_sorted_path_tma_and_flatten(run_case, cfg, t, k, h, i, dtype):
+    run_case(_cases.fused_case, t, 8, k, h, i, E2S_A, dtype, 500 + t + k, 0.1, dict(group_m=2, **cfg))
+
+
+def test_tma_only_where_the_weights_allow():
+    from kt.gpu_ops import moe
+    from kt.gpu_ops.configs import MoEConfig
+
+    if moe._tensor_descriptor() is None:
+        pytest.skip("this Triton has no host-side TMA descriptors")
+    on = MoEConfig(block_m=16, block_n=32, block_k=32, tma=True)
+    assert moe._weight_desc(torch.zeros(2, 64, 64, dtype=torch.bfloat16), on)[1]
+    assert not moe._weight_desc(torch.zeros(2, 64, 64, dtype=torch.bfloat16), MoEConfig())[1]
+    assert not moe._weight_desc(torch.zeros(2, 64, 70, dtype=torch.bfloat16), on)[1]  # 140-byte rows
+    assert not moe._weight_desc(torch.zeros(2, 64, 128)[:, :, :64], on)[1]  # not contiguous
+    wide = MoEConfig(block_m=16, block_n=512, block_k=32, tma=True)
+    assert not moe._weight_desc(torch.zeros(2, 64, 64), wide)[1]  # box over 256
+    assert MoEConfig(tma=True, flatten=True, down_flatten=False).for_down().flatten is False
+    assert MoEConfig(tma=True, flatten=True).for_down().tma
+    with pytest.raises(ValueError, match="tma must be a bool"):
+        MoEConfig(tma=1)
+
+
 @pytest.mark.parametrize("t,k,h,i,e2s,dtype", [
     (1, 2, 64, 32, E2S_A, "fp32"),
     (7, 4, 128, 96, E2S_B, "bf16"),
