@@ -193,6 +193,7 @@ def graph_of(torch, fn):
 
 def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
     from kt.gpu_ops import MoEConfig, fused_moe, pick_config
+    from kt.gpu_ops.configs import load_table, table_name
     from kt.gpu_ops.configs import config_from_dict, shape_key
     dev = "cpu" if dry else "cuda"
     table = {}
@@ -259,9 +260,13 @@ def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
                 weight_bytes = touched * w_bytes_per_expert
                 flops = 2 * gpu_rows * 3 * sh["H"] * sh["I"]
                 heur = pick_config(t, sh["K"], sh["S"], sh["H"], sh["I"], dtype)
+                # what fused_moe runs by default: this GPU's tuned table entry (if any)
+                shipped = pick_config(t, sh["K"], sh["S"], sh["H"], sh["I"], dtype,
+                                      load_table(table_name(torch.cuda.get_device_name())))
                 cands = [MoEConfig(*c) for c in CANDIDATES[t]]
-                if heur not in cands:
-                    cands.append(heur)
+                for extra in (heur, shipped):
+                    if extra not in cands:
+                        cands.append(extra)
                 timings = []
                 for cfg in cands:
                     if time.time() > deadline:
@@ -283,6 +288,10 @@ def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
                 hr = [r for r in timings if r.get("config") == heur.to_dict() and r.get("ok")]
                 if hr:
                     sp["heuristic_us"] = hr[0]["us"]
+                sr = [r for r in timings if r.get("config") == shipped.to_dict() and r.get("ok")]
+                sp["shipped"] = shipped.to_dict()
+                if sr:
+                    sp["shipped_us"] = sr[0]["us"]
                 if good:
                     best = min(good, key=lambda r: r["us"])
                     sp["best"] = best
