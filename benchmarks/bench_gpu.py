@@ -350,14 +350,15 @@ def stage_times(torch, do_bench, x, ids, w, e2s, wts, sh, cfg):
     slot32, sid, bsl, npad = M.align_by_slot(ids, e2s, sh["S"], cfg.block_m)
     programs = M._PROGRAMS_PER_SM * M._num_sms(torch.cuda.current_device())
     hb = M.gate_up(x, wts["w13"], wts.get("w13_scale"), sid, bsl, npad, sh["K"], cfg, cdt, programs)
-    yy = M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg.for_down(), programs)
+    ydt = M.y_dtype_for(x.dtype)  # as fused_moe: the output has x's dtype
+    yy = M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg.for_down(), programs, ydt)
     out = torch.empty_like(x)
     return dict(
         align_us=t_us(lambda: M.align_by_slot(ids, e2s, sh["S"], cfg.block_m)),
         gate_up_us=t_us(lambda: M.gate_up(x, wts["w13"], wts.get("w13_scale"), sid, bsl, npad, sh["K"], cfg,
                                           cdt, programs)),
         down_us=t_us(lambda: M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg.for_down(),
-                                    programs)),
+                                    programs, ydt)),
         combine_us=t_us(lambda: M.combine(yy, slot32, out)),
         floor_us=t_us(lambda: fused_moe(x, none, w, e2s, **wts, config=cfg)))
 
@@ -465,7 +466,8 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
                 gu_rows, gu = sweep(f"bm {bm} gate+up", lambda c: M.gate_up(
                     x, wts["w13"], s13, sid, bsl, npad, sh["K"], MoEConfig(bm, *c), cdt, programs), SORTED_GU)
                 dn_rows, dn = sweep(f"bm {bm} down", lambda c: M.down(
-                    hb, wts["w2"], s2, w, sid, bsl, npad, MoEConfig(bm, *c), programs), SORTED_DOWN)
+                    hb, wts["w2"], s2, w, sid, bsl, npad, MoEConfig(bm, *c), programs, M.y_dtype_for(x.dtype)),
+                    SORTED_DOWN)
                 if gu and dn:
                     per_bm[bm] = dict(gate_up_sweep=gu_rows, down_sweep=dn_rows, gu=gu, dn=dn,
                                       est_us=gu["us"] + dn["us"])
