@@ -21,8 +21,8 @@ import torch
 
 from .configs import DirectConfig, MoEConfig, load_table, pick_config, table_name
 
-__all__ = ["fused_moe", "align_by_slot", "gate_up", "down", "combine", "direct_gate_up", "direct_down", "y_dtype_for",
-           "kernels_interpreted"]
+__all__ = ["fused_moe", "align_by_slot", "gate_up", "down", "combine", "direct_gate_up", "direct_down",
+           "y_dtype_for", "kernels_interpreted"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
