@@ -7,9 +7,9 @@ stores. On the device (Emerald Rapids, session 8, ``benchmarks/amx_panel_probe.p
 aligned weights, packed activations and outputs made the INT8 AMX GEMM 1.25-1.5x faster on one
 core and on all 16 (qwen3 gate+up and down shapes, warm and cold weights).
 
-Jitted code allocates its scratch with ``_simd.empty_line``. Row strides are the callers' business: the packed layouts and the MoE workspaces have rows of a
-multiple of 64 bytes (d_pad is a multiple of 64 elements, n_pad of 16 fp32), so aligning the
-start aligns every row.
+Jitted code allocates its scratch with ``_simd.empty_line``. Row strides are the callers'
+business: the packed layouts and the MoE workspaces have rows of a multiple of 64 bytes (d_pad is
+a multiple of 64 elements, n_pad of 16 fp32), so aligning the start aligns every row.
 """
 from __future__ import annotations
 
