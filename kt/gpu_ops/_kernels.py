@@ -205,8 +205,8 @@ def combine_kernel(
     """out[t, :] = sum over k with slot[t*K + k] >= 0 of y[t*K + k, :], summed in fp32 in k order.
 
     y [N, H] fp32 or bf16 (widened to fp32 here); slot [N] int32 (-1 = not on the GPU); out [T, H] in
-    its own dtype. Every element of out is written (zeros for a token with no GPU expert), and the sum order is fixed, so the result is
-    deterministic. The token's K slots are read as one vector (KP = next power of two >= K) and the k
+    its own dtype. Every element of out is written (zeros for a token with no GPU expert), and the sum
+    order is fixed, so the result is deterministic. The token's K slots are read as one vector (KP = next power of two >= K) and the k
     loop is unrolled, so the K row loads go out together instead of each behind its own slot load.
     """
     t = tl.program_id(0).to(tl.int64)
