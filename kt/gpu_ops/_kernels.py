@@ -206,8 +206,9 @@ def combine_kernel(
 
     y [N, H] fp32 or bf16 (widened to fp32 here); slot [N] int32 (-1 = not on the GPU); out [T, H] in
     its own dtype. Every element of out is written (zeros for a token with no GPU expert), and the sum
-    order is fixed, so the result is deterministic. The token's K slots are read as one vector (KP = next power of two >= K) and the k
-    loop is unrolled, so the K row loads go out together instead of each behind its own slot load.
+    order is fixed, so the result is deterministic. The token's K slots are read as one vector (KP =
+    next power of two >= K) and the k loop is unrolled, so the K row loads go out together instead of
+    each behind its own slot load.
     """
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
