@@ -193,7 +193,7 @@ def graph_of(torch, fn):
 
 def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
     from kt.gpu_ops import MoEConfig, fused_moe, pick_config
-    from kt.gpu_ops.configs import load_table, table_name
+    from kt.gpu_ops import moe as M
     from kt.gpu_ops.configs import config_from_dict, shape_key
     dev = "cpu" if dry else "cuda"
     table = {}
@@ -262,7 +262,7 @@ def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
                 heur = pick_config(t, sh["K"], sh["S"], sh["H"], sh["I"], dtype)
                 # what fused_moe runs by default: this GPU's tuned table entry (if any)
                 shipped = pick_config(t, sh["K"], sh["S"], sh["H"], sh["I"], dtype,
-                                      load_table(table_name(torch.cuda.get_device_name())))
+                                      M._device_table(torch.cuda.current_device()))
                 cands = [MoEConfig(*c) for c in CANDIDATES[t]]
                 for extra in (heur, shipped):
                     if extra not in cands:

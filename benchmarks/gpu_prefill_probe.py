@@ -31,7 +31,7 @@ Session 8 (`--set new`, the default; `--set s7` for the lists above, `--only REG
 - FLATTEN (both): the persistent tile loop as tl.range(..., flatten=True), so the pipeliner can load the
   next tile while this one's epilogue runs; with one program per SM ("1/sm").
 - Y_BF16 (down): y stored in bf16 (routing weight applied, as now); `--part ybf16` times down + combine
-  with y in fp32 (kt's combine) and in bf16 (combine_v: the same combine widening y to fp32, same k order)
+  with y in fp32 and in bf16 (kt's combine reads either, widening to fp32, same k order)
   and reports the output's relative errors (bf16 and fp32 out) against each other, the spec (bench_gpu's
   fp32 reference from x, TF32 off) and an fp32 down + combine from kt's own h rows.
 On the device every variant is checked against kt's kernels before it is timed; one that fails to compile,
@@ -255,25 +255,6 @@ def gate_up_v(x_ptr, w13_ptr, w_desc, h_ptr, sorted_ids_ptr, block_slot_ptr, num
                           BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, CAT, EVEN, TRANS_B, TMA_W, UPCAST)
 
 
-@triton.jit
-def combine_v(y_ptr, slot_ptr, out_ptr, H, stride_ym, stride_yh, stride_ot, stride_oh,
-              TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr):
-    # kt's combine_kernel with y read in its own dtype (bf16 here) and widened to fp32 before the sum
-    # (explicitly: the interpreter keeps bf16 as raw bits); same k order
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs < H
-    kk = tl.arange(0, KP)
-    sv = tl.load(slot_ptr + t * TOP_K + kk, mask=kk < TOP_K, other=-1)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        on = tl.sum(tl.where((kk == k) & (sv >= 0), 1, 0), 0)
-        on_gpu = (offs * 0 + on) > 0
-        v = tl.load(y_ptr + (t * TOP_K + k) * stride_ym + offs * stride_yh, mask=h_mask & on_gpu, other=0.0)
-        acc += v.to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
-
-
 def _w_arg(v, w):
     """The kernels' w_desc: for a TMA_W variant a descriptor of the weight [S, R, C] seen as [S*R, C] (16-byte
     aligned base and row stride, [block_n, block_k] boxes: the kernel loads a tile at (slot*R + row, k));
@@ -308,12 +289,14 @@ def run_gate_up(v, x, w13, sid, bsl, npad, top_k, hb, programs):
 
 
 def run_combine(y, slot32, out, block_h=None):
-    """combine_v (kt's combine_kernel reading y in its own dtype); launch as kt.gpu_ops.moe.combine."""
+    """kt's combine_kernel (it reads y in y's own dtype, fp32 or bf16) with an optional BLOCK_H; launched
+    as kt.gpu_ops.moe.combine launches it."""
     t, h = out.shape
     k = slot32.numel() // max(t, 1)
     block_h = block_h or min(1024, max(16, 1 << (h - 1).bit_length()))
-    combine_v[(t, -(-h // block_h))](y, slot32, out, h, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-                                     TOP_K=k, KP=M._np2k(k), BLOCK_H=block_h, num_warps=4)
+    M._kernels().combine_kernel[(t, -(-h // block_h))](
+        y, slot32, out, h, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        TOP_K=k, KP=M._np2k(k), BLOCK_H=block_h, num_warps=4)
     return out
 
 
@@ -473,7 +456,7 @@ def ref_same_h(c):
 
 
 def ybf16_errors(c, v):
-    """Outputs of the down tile v with y in fp32 (kt's combine) and in bf16 (combine_v), with out in bf16 (as
+    """Outputs of the down tile v with y in fp32 and in bf16 (kt's combine for both), with out in bf16 (as
     shipped) and in fp32, against each other, the spec (fp32 from x, as bench_gpu's reference) and the fp32
     result from kt's own h rows. Returns (errors, (y32, y16))."""
     from bench_gpu import ref_gpu  # the spec on the GPU (benchmarks/ is on sys.path when run as a script)

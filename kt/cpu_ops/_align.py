@@ -17,7 +17,7 @@ import numpy as np
 
 LINE = 64
 
-__all__ = ["LINE", "empty", "zeros", "is_aligned", "aligned"]
+__all__ = ["LINE", "empty", "zeros", "copy", "is_aligned", "aligned"]
 
 
 def empty(shape, dtype) -> np.ndarray:
@@ -37,6 +37,13 @@ def zeros(shape, dtype) -> np.ndarray:
     return a
 
 
+def copy(a: np.ndarray, dtype=None) -> np.ndarray:
+    """A C-contiguous copy of ``a`` (converted to ``dtype`` if given) starting at a 64-byte boundary."""
+    b = empty(a.shape, a.dtype if dtype is None else dtype)
+    b[...] = a
+    return b
+
+
 def is_aligned(a: np.ndarray) -> bool:
     return a.ctypes.data % LINE == 0
 
@@ -46,7 +53,5 @@ def aligned(a: np.ndarray) -> np.ndarray:
     (a read-only mapping stays a mapping when it is aligned)."""
     if a.flags.c_contiguous and (a.size == 0 or is_aligned(a)):
         return a
-    b = empty(a.shape, a.dtype)
-    b[...] = a
-    return b
+    return copy(a)
 

@@ -251,6 +251,14 @@ def _dtype_is(ary, dtype, what):
         raise TypingError(f"{what}: expected a {dtype} array, got {ary}")
 
 
+def _scaled16(context, builder, sig, args, cv, k):
+    """(fp32(cv) * xm) * s for the int32 x16 vector cv, with s at args[k], args[k + 1] and xm at
+    args[k + 2]: the one scaling order of the row16_scale_* intrinsics."""
+    sv = builder.load(_vptr(context, builder, sig, args, k, _F32X16), align=4)
+    x = context.cast(builder, args[k + 2], sig.args[k + 2], types.float32)
+    return builder.fmul(builder.fmul(builder.sitofp(cv, _F32X16), _splat(builder, x, _F32X16)), sv)
+
+
 @intrinsic
 def row16_scale_store(typingctx, out, oi, c, ci, s, si, xm):
     """out[oi : oi+16] = (fp32(c[ci : ci+16]) * xm) * s[si : si+16]   (c int32; out, s fp32)."""
@@ -261,10 +269,7 @@ def row16_scale_store(typingctx, out, oi, c, ci, s, si, xm):
     def codegen(context, builder, sig, args):
         o = _vptr(context, builder, sig, args, 0, _F32X16)
         cv = builder.load(_vptr(context, builder, sig, args, 2, _I32X16), align=4)
-        sv = builder.load(_vptr(context, builder, sig, args, 4, _F32X16), align=4)
-        x = context.cast(builder, args[6], sig.args[6], types.float32)
-        r = builder.fmul(builder.fmul(builder.sitofp(cv, _F32X16), _splat(builder, x, _F32X16)), sv)
-        builder.store(r, o, align=4)
+        builder.store(_scaled16(context, builder, sig, args, cv, 4), o, align=4)
         return context.get_dummy_value()
 
     return types.none(out, oi, c, ci, s, si, xm), codegen
@@ -280,10 +285,7 @@ def row16_scale_bits(typingctx, out, oi, s, si, xm):
     def codegen(context, builder, sig, args):
         o = _vptr(context, builder, sig, args, 0, _F32X16)
         cv = builder.load(builder.bitcast(o, _I32X16.as_pointer()), align=4)
-        sv = builder.load(_vptr(context, builder, sig, args, 2, _F32X16), align=4)
-        x = context.cast(builder, args[4], sig.args[4], types.float32)
-        r = builder.fmul(builder.fmul(builder.sitofp(cv, _F32X16), _splat(builder, x, _F32X16)), sv)
-        builder.store(r, o, align=4)
+        builder.store(_scaled16(context, builder, sig, args, cv, 2), o, align=4)
         return context.get_dummy_value()
 
     return types.none(out, oi, s, si, xm), codegen

@@ -170,5 +170,5 @@ def pack_experts(w, scheme: QuantScheme | str, group_size: int = 64) -> PackedWe
     parts = [pack(w[e], scheme, group_size) for e in range(shape[0])]
     p0 = parts[0]
     return PackedWeight(scheme, p0.n, p0.d, p0.n_pad, p0.d_pad, p0.group_size,
-                        *(_align.aligned(np.stack(arrs)) for arrs in zip(
-                            *((p.data, p.scale, p.wsum) for p in parts))))
+                        *(np.stack(arrs, out=_align.empty((len(arrs),) + arrs[0].shape, arrs[0].dtype))
+                          for arrs in zip(*((p.data, p.scale, p.wsum) for p in parts))))

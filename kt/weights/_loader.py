@@ -312,9 +312,9 @@ def take_cols(p: PackedWeight, d0: int, d1: int, g: int) -> PackedWeight:
     j0 = d0 // per
     data = _align.aligned(p.data[:, :, j0:j0 + d_pad // per])
     if sch is QuantScheme.INT8:
-        scale = _align.aligned(p.scale.copy())
+        scale = _align.copy(p.scale)
         wsum = data.astype(np.int32).sum(axis=(2, 4)).reshape(data.shape[0], -1)
-        wsum = _align.aligned(wsum.astype(np.int32))
+        wsum = _align.copy(wsum, np.int32)
     elif sch is QuantScheme.INT4:
         scale = _align.aligned(p.scale[:, :, d0 // g: d0 // g + d_pad // g])
         wsum = np.zeros((data.shape[0], 0), np.int32)
