@@ -44,6 +44,7 @@ from numba.extending import intrinsic, overload
 
 from . import cache as _cache
 from .actquant import _u32_as_f32, bf16_bits_to_f32, bf16_row, f32_to_bf16_bits, quant_row_i8
+from ._simd import prefetch_l2
 from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, atomic_add,
                    atomic_load, atomic_store, flag_load, flag_store, icall_codegen,
                    native_address, spin_relax)
@@ -60,17 +61,25 @@ A_W13D, A_W13S, A_W13W, A_W2D, A_W2S, A_W2W = 5, 6, 7, 8, 9, 10
 A_POS, A_OFFS, A_ORDER, A_T13, A_T2 = 11, 12, 13, 14, 15
 A_XG, A_XS, A_GU, A_HQ, A_HS, A_Y, A_ACC = 16, 17, 18, 19, 20, 21, 22
 A_DEP = 23  # int64 [E * DEP_STRIDE]: per expert, gate+up tasks left and "activations ready"
-N_SLOTS = 24
-S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 200, 201, 202, 203, 204, 205, 206, 207
-S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 208, 209, 210, 211, 212, 213
-D_KV13, D_KM13, D_KV2, D_KM2 = 214, 215, 216, 217  # kernel entry points (kernel_address)
-S_SCHEME, S_XBF16, S_OBF16 = 218, 219, 220
-S_PROF = 221  # address of an int64 [nth, PHASES, 2] profile (busy, waiting cycles), 0 = off
-S_LEVELS = 222  # activation rows per (token, slot): 1, or 2 for two-level int8 ("int8x2")
-S_GATE, S_DONE = 223, 224  # stream-gated job: int32 "start" / "done" flag addresses (0 = none)
-S_RESULT = 225  # a gated job's own int64 [RESULT_WORDS] result (see R_*), its handle's to read
-S_PIPE = 226  # 1: pipelined decode allowed (see the module docstring)
-DESC_WORDS = 227  # the words above (a layer's template covers them all)
+A_RSLOT = 24  # int32 [rows]: gathered row -> its slot (t - t0) * K + k
+# per-participant scratch, int8 [nth, bytes each]: gathered activation rows and their scales,
+# gate+up outputs of a whole-expert task (kept in that core's cache), down outputs of a column task
+A_XGS, A_XSS, A_GUS, A_YS = 25, 26, 27, 28
+N_SLOTS = 29
+S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 256, 257, 258, 259, 260, 261, 262, 263
+S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 264, 265, 266, 267, 268, 269
+D_KV13, D_KM13, D_KV2, D_KM2 = 270, 271, 272, 273  # kernel entry points (kernel_address)
+S_SCHEME, S_XBF16, S_OBF16 = 274, 275, 276
+S_PROF = 277  # address of an int64 [nth, PHASES, 2] profile (busy, waiting cycles), 0 = off
+S_LEVELS = 278  # activation rows per (token, slot): 1, or 2 for two-level int8 ("int8x2")
+S_GATE, S_DONE = 279, 280  # stream-gated job: int32 "start" / "done" flag addresses (0 = none)
+S_RESULT = 281  # a gated job's own int64 [RESULT_WORDS] result (see R_*), its handle's to read
+S_PIPE = 282  # 1: pipelined decode allowed (see the module docstring)
+S_GCH = 283   # rows per gate+up kernel call (the A_XGS rows of a participant)
+S_GUS = 284   # rows of a participant's A_GUS (0: whole-expert tasks write the shared gu rows)
+S_DCH = 285   # rows per down kernel call of a column task (the A_YS rows of a participant)
+S_COLS = 286  # 1: prefill's down GEMM and combine by output columns (see the module docstring)
+DESC_WORDS = 287  # the words above (a layer's template covers them all)
 R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
 RESULT_WORDS = 5
 
@@ -81,6 +90,7 @@ ROW_BLOCK = 8     # gathered rows per activation task
 TASKS_PER_THREAD = 4
 DEP_STRIDE = 8    # one cache line of A_DEP per expert: [0] gate+up tasks left, [1] ready
 PIPE_ACT_MAX = 8192  # pipelined decode only if every expert's activations (rows x I) are this small
+COLS_MIN_ROWS = 64   # down by columns only with at least this many gathered rows per thread
 
 
 # words after the phases of the last chunk (a gated job's): gate open, finishers, ids outside
@@ -197,6 +207,13 @@ def _rows(a, r0, r1, dt):
 def _seg(a, r0, r1, dt):
     """a[r0:r1] of a 1-D array, typed C-contiguous."""
     return carray(_ptr(a.ctypes.data + r0 * a.itemsize, dt), (r1 - r0,))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _part(desc, slot, me, rows, cols, dt):
+    """Participant me's [rows, cols] of a per-participant scratch slot (int8 [nth, bytes each])."""
+    o = slot * SLOT
+    return carray(_ptr(desc[o] + me * desc[o + 2], dt), (rows, cols))
 
 
 @intrinsic
@@ -333,13 +350,14 @@ def _blocks_per_task(nblocks, n_active, nthreads, fixed):
 
 
 @njit(nogil=True, cache=True)
-def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, bpt13, bpt2, R):
+def _plan(t0, t1, ids, mask, pos, rslot, offs, order, tasks13, tasks2, nb13, nb2, nth, bpt13, bpt2,
+          R):
     """Bucket (token, slot) pairs of tokens [t0, t1) by expert. Returns (rows, n13, n2, fused, bad):
     fused when every gate+up task covers a whole expert (then it also computes the expert's
     activations and down GEMM: phases 3 and 4 have no tasks).
 
-    pos[t - t0, k]: first of the R gathered rows of slot (t, k), or -1; offs[e]..offs[e+1]: rows
-    of expert e (R per slot: the levels of two-level activations are consecutive rows). Ids
+    pos[t - t0, k]: first of the R gathered rows of slot (t, k), or -1; rslot[r]: the slot
+    (t - t0) * K + k of gathered row r; offs[e]..offs[e+1]: rows of expert e (R per slot: the levels of two-level activations are consecutive rows). Ids
     outside [0, E) are skipped like -1 (a stream-gated job's ids were never checked in Python);
     bad counts those outside [-1, E).
     """
@@ -377,6 +395,8 @@ def _plan(t0, t1, ids, mask, pos, offs, order, tasks13, tasks2, nb13, nb2, nth, 
             e = ids[t, k]
             if e >= 0 and e < E and mask[e] != 0:
                 pos[t - t0, k] = offs[e]
+                for lv in range(R):
+                    rslot[offs[e] + lv] = (t - t0) * K + k
                 offs[e] += R
             else:
                 pos[t - t0, k] = -1
@@ -499,33 +519,38 @@ def _quant_rows(acc, xg, xs, r, n, bf16, R):
 
 @njit(nogil=True, cache=True)
 def _quantise_tokens(x, t0, ta, tb, pos, H, xg, xs, acc, bf16, R):
-    """Phase 1 for tokens [ta, tb): x rows -> activation rows of every CPU slot of the token."""
+    """Phase 1 for tokens [ta, tb): each token with a CPU slot -> its R activation rows
+    (t - t0) * R.. of xg / xs, once (the gate+up tasks gather them per expert)."""
     K = pos.shape[1]
     for t in range(ta, tb):
-        first = -1
+        hit = False
         for k in range(K):
-            r = pos[t - t0, k]
-            if r < 0:
-                continue
-            if first < 0:
-                for j in range(H):
-                    acc[j] = _to_f32(x[t, j])
-                _quant_rows(acc, xg, xs, r, H, bf16, R)
-                first = r
-            else:
-                # an explicit loop: numba's slice assignment here was 10x slower than the quantiser
-                for lv in range(R):
-                    src = xg[first + lv]
-                    dst = xg[r + lv]
-                    for j in range(dst.shape[0]):
-                        dst[j] = src[j]
-                    xs[r + lv] = xs[first + lv]
+            hit = hit or pos[t - t0, k] >= 0
+        if hit:
+            for j in range(H):
+                acc[j] = _to_f32(x[t, j])
+            _quant_rows(acc, xg, xs, (t - t0) * R, H, bf16, R)
+
+
+@njit(nogil=True, cache=True)
+def _gather_rows(xg, xs, rslot, K, R, r0, r1, ga, gs):
+    """Gathered rows [r0, r1) <- their tokens' activation rows: ga[r - r0] and gs[r - r0] (the
+    levels of two-level activations are rows r % R of the token's R rows)."""
+    n = xg.shape[1]
+    for r in range(r0, r1):
+        q = (rslot[r] // K) * R + r % R
+        src = xg[q]
+        dst = ga[r - r0]
+        for j in range(n):
+            dst[j] = src[j]
+        gs[r - r0] = xs[q]
 
 
 @njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
-def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16, R):
-    """Phase 3 for gathered rows [ra, rb) (whole slots: R rows each, their gate/up outputs
-    summed): h = silu(gate) * up into the participant's row ``h``, then requantised into hq.
+def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16, R, hoff):
+    """Phase 3 for rows [ra, rb) of gu (whole slots: R rows each, their gate/up outputs
+    summed): h = silu(gate) * up into the participant's row ``h``, then requantised into rows
+    r + hoff of hq / hs (gu may be a participant's scratch, hoff its first gathered row).
 
     Written so that LLVM vectorises every loop: separate exp and SiLU loops (the fused one was
     not), the up half as a slice (an index ``up_off + j`` may be negative to Numba, and its
@@ -547,7 +572,7 @@ def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16, R):
                 h[j] = exp_f32(-g[j])
             for j in range(I):
                 h[j] = g[j] / (np.float32(1.0) + h[j]) * u[j]
-        _quant_rows(h, hq, hs, r, I, bf16, R)
+        _quant_rows(h, hq, hs, r + hoff, I, bf16, R)
 
 
 @njit(nogil=True, cache=True)
@@ -575,29 +600,159 @@ def _combine_tokens(out, t0, ta, tb, pos, tw, y, H, acc, incremental, R):
 
 
 @njit(nogil=True, cache=True)
-def _gemm_task(desc, scheme, which, e, r0, r1, nb0, nb1, small):
-    """Phase 2 (which=0: w13, xg -> gu) or 4 (which=1: w2, hq -> y) for expert e, rows [r0, r1)."""
+def _gemm_call(desc, scheme, which, e, xa, xs, out, nb0, nb1, small):
+    """Expert e's gate+up (which=0: w13) or down (which=1: w2) kernel on activation rows xa
+    (int8 [M, D] bytes; bf16 rows as byte pairs) with scales xs [M] into out [M, N] fp32,
+    blocks [nb0, nb1); small: the small-M kernel."""
     if which == 0:
-        sa, ss, so, sd, sc, sw, gs = A_XG, A_XS, A_GU, A_W13D, A_W13S, A_W13W, desc[S_GS13]
+        sd, sc, sw, gs = A_W13D, A_W13S, A_W13W, desc[S_GS13]
         av, am = desc[D_KV13], desc[D_KM13]
     else:
-        sa, ss, so, sd, sc, sw, gs = A_HQ, A_HS, A_Y, A_W2D, A_W2S, A_W2W, desc[S_GS2]
+        sd, sc, sw, gs = A_W2D, A_W2S, A_W2W, desc[S_GS2]
         av, am = desc[D_KV2], desc[D_KM2]
     addr = av if small else am
-    xs = _seg(_arr1(desc, ss, np.float32), r0, r1, np.float32)
-    out = _rows(_arr2(desc, so, np.float32), r0, r1, np.float32)
     if scheme == SCHEME_INT8:
-        xa = _rows(_arr2(desc, sa, np.int8), r0, r1, np.int8)
         d, s, w = load_w_int8(desc, sd, sc, sw, e)
         icall8(addr, xa, xs, d, s, w, out, nb0, nb1)
     elif scheme == SCHEME_INT4:
-        xa = _rows(_arr2(desc, sa, np.int8), r0, r1, np.int8)
         d, s, w = load_w_int4(desc, sd, sc, sw, e)
         icall8(addr, xa, xs, d, s, gs, out, nb0, nb1)
     else:
-        xa = _rows(_arr2(desc, sa, np.int8), r0, r1, np.int8).view(np.uint16)
         d, s, w = load_w_bf16(desc, sd, sc, sw, e)
-        icall5(addr, xa, d, out, nb0, nb1)
+        icall5(addr, xa.view(np.uint16), d, out, nb0, nb1)
+
+
+@njit(nogil=True, cache=True)
+def _gate_up(desc, scheme, me, e, r0, r1, nb0, nb1, small, whole, xg, xs, rslot, K, R, gu,
+             hq, hs, h, bf16, prof_on):
+    """Phase 2 for expert e's gathered rows [r0, r1), blocks [nb0, nb1): in calls of at most
+    S_GCH rows, each on its rows' activations gathered into the participant's A_XGS / A_XSS.
+    whole (a task of all blocks): each call's activations follow at once, from the
+    participant's A_GUS rows when it has them (the gate+up outputs never leave this core's
+    cache), else from the shared gu rows. Returns the cycles spent on activations (prof_on)."""
+    gch = desc[S_GCH]
+    gus_rows = desc[S_GUS]
+    xbytes = xg.shape[1]
+    n13 = gu.shape[1]
+    I = desc[S_I]
+    up_off = desc[S_UPOFF]
+    xga = _part(desc, A_XGS, me, gch, xbytes, np.int8)
+    xsa = _part(desc, A_XSS, me, 1, gch, np.float32)[0]
+    act_cycles = np.int64(0)
+    for a0 in range(r0, r1, gch):
+        a1 = min(r1, a0 + gch)
+        m = a1 - a0
+        _gather_rows(xg, xs, rslot, K, R, a0, a1, xga, xsa)
+        own = whole and m <= gus_rows
+        out = (_rows(_part(desc, A_GUS, me, gus_rows, n13, np.float32), 0, m, np.float32) if own
+               else _rows(gu, a0, a1, np.float32))
+        _gemm_call(desc, scheme, 0, e, _rows(xga, 0, m, np.int8), _seg(xsa, 0, m, np.float32),
+                   out, nb0, nb1, small)
+        if whole:
+            c = cycles() if prof_on else 0
+            _act_rows(out, 0, m, I, up_off, hq, hs, h, bf16, R, a0)
+            if prof_on:
+                act_cycles += cycles() - c
+    return act_cycles
+
+
+@njit(nogil=True, cache=True)
+def _down_rows(desc, scheme, e, r0, r1, nb0, nb1, small, hq, hs, y):
+    """Expert e's down GEMM of gathered rows [r0, r1), blocks [nb0, nb1), into y's rows."""
+    _gemm_call(desc, scheme, 1, e, _rows(hq, r0, r1, np.int8), _seg(hs, r0, r1, np.float32),
+               _rows(y, r0, r1, np.float32), nb0, nb1, small)
+
+
+@njit(nogil=True, cache=True)
+def _prefetch_w2(desc, scheme, e, b0, b1):
+    """Hint expert e's down weight blocks [b0, b1) into L2 (a column task calls the kernel once
+    per expert, and a kernel prefetches only its own later blocks)."""
+    o = A_W2D * SLOT
+    blk = desc[o + 3] * desc[o + 4] * desc[o + 5] * (2 if scheme == SCHEME_BF16 else 1)
+    data = carray(_ptr(desc[o], np.int8), (desc[o + 1] * desc[o + 2] * blk,))
+    start = (e * desc[o + 2] + b0) * blk
+    for off in range(start, start + (b1 - b0) * blk, 64):
+        prefetch_l2(data, off)
+
+
+@njit(nogil=True, cache=True)
+def _down_columns(desc, scheme, me, b0, b1, n_act, order, offs, rslot, K, R, t0, nt, tw, hq, hs,
+                  acc, out, incremental, gemv_max, prof_on):
+    """A column task (phases 4 and 5 at once): output columns of blocks [b0, b1) of tokens
+    [t0, t0 + nt), out = (out if incremental) + sum_k w[t,k] y[row(t,k)], with y computed here
+    expert by expert (in ``order``, a fixed order, so the sums are deterministic) into the
+    participant's A_YS rows and added into acc (fp32 [>= nt, N]) while still in cache.
+    Returns the cycles spent outside the GEMM calls (prof_on): the combine's share."""
+    dch = desc[S_DCH]
+    n2 = acc.shape[1]
+    H = desc[S_H]
+    ys = _part(desc, A_YS, me, dch, n2, np.float32)
+    c0 = 16 * b0
+    c1 = min(16 * b1, H)
+    cc = cycles() if prof_on else 0
+    comb = np.int64(0)
+    for t in range(nt):
+        ar = acc[t]
+        if incremental:
+            for c in range(c0, c1):
+                ar[c] = _to_f32(out[t0 + t, c])
+        else:
+            for c in range(c0, c1):
+                ar[c] = np.float32(0.0)
+    for a in range(n_act):
+        e = order[a]
+        r0 = offs[e]
+        r1 = offs[e + 1]
+        small = r1 - r0 <= gemv_max * R
+        if a + 1 < n_act:  # the next expert's first block pair, while this one computes
+            _prefetch_w2(desc, scheme, order[a + 1], b0, min(b1, b0 + 2))
+        for a0 in range(r0, r1, dch):
+            a1 = min(r1, a0 + dch)
+            if prof_on:
+                c = cycles()
+                comb += c - cc
+                cc = c
+            _gemm_call(desc, scheme, 1, e, _rows(hq, a0, a1, np.int8), _seg(hs, a0, a1, np.float32),
+                       _rows(ys, 0, a1 - a0, np.float32), b0, b1, small)
+            if prof_on:
+                cc = cycles()
+            for r in range(a0, a1):
+                sl = rslot[r]
+                t = sl // K
+                w = tw[t0 + t, sl % K]
+                yr = ys[r - a0]
+                ar = acc[t]
+                for c in range(c0, c1):
+                    ar[c] += w * yr[c]
+    for t in range(nt):
+        ar = acc[t]
+        for c in range(c0, c1):
+            out[t0 + t, c] = _from_f32(ar[c], out[t0 + t, c])
+    if prof_on:
+        comb += cycles() - cc
+    return comb
+
+
+def column_tasks(nb2: int, nth: int) -> list[tuple[int, int]]:
+    """The block ranges of the column tasks (Python mirror of ``_column_tasks``, for tests)."""
+    tasks = np.zeros((max(nb2, 1), 3), np.int32)
+    n = _column_tasks(tasks, nb2, nth)
+    return [(int(tasks[j, 1]), int(tasks[j, 2])) for j in range(n)]
+
+
+@njit(nogil=True, cache=True)
+def _column_tasks(tasks, nb2, nth):
+    """Split the down GEMM's nb2 column blocks into at most nth tasks of whole block pairs (one
+    per thread: every task is the same work, and each re-reads all activations); returns the
+    count."""
+    npairs = (nb2 + 1) // 2
+    per = (npairs + nth - 1) // nth
+    n = (npairs + per - 1) // per
+    for j in range(n):
+        tasks[j, 0] = -1
+        tasks[j, 1] = 2 * j * per
+        tasks[j, 2] = min(nb2, 2 * (j + 1) * per)
+    return n
 
 
 @njit(nogil=True, cache=True)
@@ -646,6 +801,8 @@ def moe_job(nth, jctrl, desc):
     y = _arr2(desc, A_Y, np.float32)
     acc = _arr2(desc, A_ACC, np.float32)[me]
     dep = _arr1(desc, A_DEP, np.int64)
+    rslot = _arr1(desc, A_RSLOT, np.int32)
+    K = pos.shape[1]
     nb13 = desc[A_W13D * SLOT + 2]
     nb2 = desc[A_W2D * SLOT + 2]
     R = desc[S_LEVELS]
@@ -667,7 +824,7 @@ def moe_job(nth, jctrl, desc):
                     break
                 tc = cycles() if pa != 0 else 0
                 if ph == 0:
-                    rows, n13, n2, fused, bad = _plan(t0, t1, ids, mask, pos, offs, order,
+                    rows, n13, n2, fused, bad = _plan(t0, t1, ids, mask, pos, rslot, offs, order,
                                                       tasks13, tasks2, nb13, nb2, nth,
                                                       desc[S_BPT13], desc[S_BPT2], R)
                     jctrl[gb + G_BAD] += bad
@@ -687,18 +844,26 @@ def moe_job(nth, jctrl, desc):
                             and (offs[order[0] + 1] - offs[order[0]]) * I <= PIPE_ACT_MAX)
                     if pipe:
                         _arm_pipeline(dep, tasks13, n13)
+                    # columns: the down GEMM and the combine by output columns (after every
+                    # expert's activations), so y never goes to memory
+                    cols = fused and desc[S_COLS] != 0 and rows >= COLS_MIN_ROWS * nth
+                    if cols:
+                        n2 = _column_tasks(tasks2, nb2, nth)
                     # pipelined: phase 2 runs the down tasks too, after the gate+up tasks
                     jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13 + n2 if pipe else n13
                     jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = n13  # beside ntasks
                     # fused: each gate+up task is a whole expert and also runs its activations
-                    # and its down GEMM (hq stays in the task's cache; no down phase)
-                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused or pipe else n2
+                    # and (unless by columns) its down GEMM (hq stays in the task's cache)
+                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = (
+                        n2 if cols else 0 if fused or pipe else n2)
+                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = 1 if cols else 0
                     # fused: the gate+up tasks compute the activations; else one task per row
                     # block (single rows when there are few, so decode's rows spread over threads)
                     rb = (ROW_BLOCK if rows >= ROW_BLOCK * R * nth else 1) * R
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = rb  # beside ntasks
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused or pipe else (rows + rb - 1) // rb
-                    jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
+                    jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (
+                        0 if cols else (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK)
                 elif ph == 1:
                     ta = t0 + i * TOKEN_BLOCK
                     tb = min(t1, ta + TOKEN_BLOCK)
@@ -706,6 +871,21 @@ def moe_job(nth, jctrl, desc):
                         _quantise_tokens(x16, t0, ta, tb, pos, H, xg, xs, acc, bf16, R)
                     else:
                         _quantise_tokens(x32, t0, ta, tb, pos, H, xg, xs, acc, bf16, R)
+                elif ph == 4 and jctrl[base + 2 * CTRL_STRIDE + 1] != 0:
+                    n_act = jctrl[pbase + 2 * PHASE_WORDS + 2 * CTRL_STRIDE + 1]
+                    b0 = np.int64(tasks2[i, 1])
+                    b1 = np.int64(tasks2[i, 2])
+                    if o_bf16:
+                        comb = _down_columns(desc, scheme, me, b0, b1, n_act, order, offs, rslot,
+                                             K, R, t0, t1 - t0, tw, hq, hs, y, o16, incremental,
+                                             gemv_max, pa != 0)
+                    else:
+                        comb = _down_columns(desc, scheme, me, b0, b1, n_act, order, offs, rslot,
+                                             K, R, t0, t1 - t0, tw, hq, hs, y, o32, incremental,
+                                             gemv_max, pa != 0)
+                    if pa != 0:  # the accumulation into out is booked as the combine
+                        prof[5, 0] += comb
+                        tc += comb
                 elif ph == 2 or ph == 4:
                     which = 0 if ph == 2 else 1
                     j = i
@@ -719,6 +899,8 @@ def moe_job(nth, jctrl, desc):
                     r1 = offs[e + 1]
                     nb0 = np.int64(tasks[j, 1])
                     nb1 = np.int64(tasks[j, 2])
+                    small = r1 - r0 <= gemv_max * R
+                    whole = ph == 2 and which == 0 and nb0 == 0 and nb1 == nb13
                     if ph == 2 and which == 1:
                         if pa != 0:
                             c_w = cycles()
@@ -729,7 +911,18 @@ def moe_job(nth, jctrl, desc):
                             prof[4, 1] += tc - c_w
                         if not ok:
                             return
-                    _gemm_task(desc, scheme, which, e, r0, r1, nb0, nb1, r1 - r0 <= gemv_max * R)
+                    if which == 0:
+                        # a whole expert (the plan's "fused"): its activations too, and then
+                        # (unless by columns) its down GEMM, while its rows are in this core's
+                        # cache. A profile books them under phases 3 and 4 (which have no tasks
+                        # of their own then).
+                        c_act = _gate_up(desc, scheme, me, e, r0, r1, nb0, nb1, small, whole, xg,
+                                         xs, rslot, K, R, gu, hq, hs, acc, bf16, pa != 0)
+                        if pa != 0:
+                            prof[3, 0] += c_act
+                            tc += c_act
+                    else:
+                        _down_rows(desc, scheme, e, r0, r1, nb0, nb1, small, hq, hs, y)
                     if ph == 2 and which == 1:
                         if pa != 0:  # book the down task under phase 4
                             c_end = cycles()
@@ -741,24 +934,16 @@ def moe_job(nth, jctrl, desc):
                         if pa != 0:
                             c_act = cycles()
                             prof[2, 0] += c_act - tc
-                        _act_rows(gu, r0, r1, I, up_off, hq, hs, acc, bf16, R)
+                        _act_rows(gu, r0, r1, I, up_off, hq, hs, acc, bf16, R, 0)
                         atomic_store(dep, e * DEP_STRIDE + 1, 1)
                         if pa != 0:
                             tc = cycles()
                             prof[3, 0] += tc - c_act
-                    if ph == 2 and which == 0 and nb0 == 0 and nb1 == nb13:
-                        # a whole expert (the plan's "fused"): its activations and down GEMM now,
-                        # while gu's and hq's rows are in this core's cache. A profile books
-                        # them under phases 3 and 4 (which have no tasks of their own here).
-                        if pa != 0:
-                            c_act = cycles()
-                            prof[2, 0] += c_act - tc
-                        _act_rows(gu, r0, r1, I, up_off, hq, hs, acc, bf16, R)
+                    if whole and jctrl[pbase + 4 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] == 0:
                         if pa != 0:
                             c_down = cycles()
-                            prof[3, 0] += c_down - c_act
-                        _gemm_task(desc, scheme, 1, e, r0, r1, np.int64(0), nb2,
-                                   r1 - r0 <= gemv_max * R)
+                            prof[2, 0] += c_down - tc
+                        _down_rows(desc, scheme, e, r0, r1, np.int64(0), nb2, small, hq, hs, y)
                         if pa != 0:
                             tc = cycles()
                             prof[4, 0] += tc - c_down
@@ -766,7 +951,7 @@ def moe_job(nth, jctrl, desc):
                     rows = jctrl[pbase + 2 * CTRL_STRIDE]
                     rb = jctrl[base + 2 * CTRL_STRIDE + 1]
                     ra = i * rb
-                    _act_rows(gu, ra, min(rows, ra + rb), I, up_off, hq, hs, acc, bf16, R)
+                    _act_rows(gu, ra, min(rows, ra + rb), I, up_off, hq, hs, acc, bf16, R, 0)
                 else:
                     ta = t0 + i * TOKEN_BLOCK
                     tb = min(t1, ta + TOKEN_BLOCK)

@@ -73,11 +73,41 @@ def clear_cache() -> None:
 _installed = False
 
 
+def prefer_512_bit_vectors() -> bool:
+    """Let LLVM's loop vectoriser use 512-bit registers on AVX-512 hosts; True if it now may.
+
+    LLVM tunes Intel server cores (Skylake-SP to Emerald Rapids) to prefer 256-bit vectors, so
+    the loops kt leaves to the vectoriser (activations, quantisation, combine, scaling passes)
+    ran on ymm registers there, half the width the explicit kernels use (AMD Zen 4 already got
+    zmm). This appends ``-prefer-256-bit`` to the host's features in Numba's target. Nothing
+    changes where ``NUMBA_CPU_FEATURES`` was set (tests that compile for another CPU set it), on
+    hosts without AVX-512, or once Numba has built its target machine (kt imported after other
+    jitted code ran: those loops then stay 256-bit wide, correct either way). Numba's cache keys
+    on the feature string, so entries compiled without the change are not reused."""
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        return "-prefer-256-bit" in config.CPU_FEATURES
+    import llvmlite.binding as llvm
+    from numba.core.codegen import get_host_cpu_features
+
+    try:
+        wide = bool(llvm.get_host_cpu_features().get("avx512f", False))
+    except RuntimeError:
+        return False
+    if not wide or not config.ENABLE_AVX:
+        return False
+    config.CPU_FEATURES = get_host_cpu_features() + ",-prefer-256-bit"
+    return True
+
+
 def install() -> None:
-    """Register kt's cache locator with Numba (idempotent)."""
+    """Register kt's cache locator with Numba (idempotent); on AVX-512 hosts also let the loop
+    vectoriser use zmm registers (``prefer_512_bit_vectors``)."""
     global _installed
     if _installed:
         return
+    prefer_512_bit_vectors()
     from numba.core import caching
 
     class KtCacheLocator(caching._CacheLocator):

@@ -306,6 +306,10 @@ class CPUMoE:
         # Decode's down tasks wait per expert instead of behind all-thread barriers
         # (_moe_driver's "pipelined decode"). A tuning knob, not needed for correctness.
         self.pipelined_decode = True
+        # prefill (whole-expert tasks, enough rows): the down GEMM and the combine by output
+        # columns, one task per thread, so y stays in cache (_moe_driver._down_columns). A
+        # tuning knob for A/B runs, not needed for correctness.
+        self.column_down = True
         self._all_cpu = np.ones(E, np.uint8)
         self._prof: np.ndarray | None = None  # set by profile(): [threads, phases, 2] cycles
         self._wdesc = self._weight_desc()
@@ -412,11 +416,13 @@ class CPUMoE:
         return d
 
     def _scratch_desc(self, pool: CpuPool, rows_cap: int, tok_cap: int, K: int, act_dtype) -> np.ndarray:
-        key = (id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str)
+        key = (id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str,
+               self.column_down)
         d = self._tmpl.get(key)
         if d is not None:
             return d
         E = self.num_experts
+        R = self.levels
         hp = self.w13.d_pad
         ip = self.w2.d_pad
         n13 = self.w13.n_pad
@@ -430,8 +436,9 @@ class CPUMoE:
             drv.A_ORDER: pool.scratch("moe.order", E, np.int32),
             drv.A_T13: pool.scratch("moe.t13", E * nb13 * 3, np.int32).reshape(E * nb13, 3),
             drv.A_T2: pool.scratch("moe.t2", E * nb2 * 3, np.int32).reshape(E * nb2, 3),
-            drv.A_XG: pool.scratch("moe.xg", rows_cap * hp, act_dtype).reshape(rows_cap, hp),
-            drv.A_XS: pool.scratch("moe.xs", rows_cap, np.float32),
+            drv.A_XG: pool.scratch("moe.xg", tok_cap * R * hp, act_dtype).reshape(tok_cap * R, hp),
+            drv.A_XS: pool.scratch("moe.xs", tok_cap * R, np.float32),
+            drv.A_RSLOT: pool.scratch("moe.rslot", rows_cap, np.int32),
             drv.A_GU: pool.scratch("moe.gu", rows_cap * n13, np.float32).reshape(rows_cap, n13),
             drv.A_HQ: pool.scratch("moe.hq", rows_cap * ip, act_dtype).reshape(rows_cap, ip),
             drv.A_HS: pool.scratch("moe.hs", rows_cap, np.float32),
@@ -440,15 +447,31 @@ class CPUMoE:
                                     np.float32).reshape(pool.num_threads, hacc),
             drv.A_DEP: pool.scratch("moe.dep", E * drv.DEP_STRIDE, np.int64),
         }
+        # per-participant scratch (rows per kernel call, see _call_rows): gathered activations
+        # and their scales, a whole-expert task's gate+up outputs, a column task's down outputs
+        nth = pool.num_threads
+        xb = hp * np.dtype(act_dtype).itemsize
+        gch, gus, dch = _call_rows(xb, n13, ip * np.dtype(act_dtype).itemsize, n2)
+        for slot, name, nbytes in ((drv.A_XGS, "moe.xgs", gch * xb), (drv.A_XSS, "moe.xss", gch * 4),
+                                   (drv.A_GUS, "moe.gus", max(gus * n13 * 4, 64)),
+                                   (drv.A_YS, "moe.ys", dch * n2 * 4)):
+            nbytes = -(-nbytes // 64) * 64
+            bufs[slot] = pool.scratch(name, nth * nbytes, np.int8).reshape(nth, nbytes)
         d = self._wdesc.copy()
         d[drv.S_K] = K
+        d[drv.S_GCH], d[drv.S_GUS], d[drv.S_DCH] = gch, gus, dch
+        # down by columns re-reads every expert's activations once per thread; worth it while
+        # that is at most twice the y rows it saves (written, read back and combined: 12 B per
+        # fp32 column), as for qwen3 and deepseek shapes (not mixtral's wide I)
+        d[drv.S_COLS] = int(self.column_down and nth * ip * np.dtype(act_dtype).itemsize <= 24 * n2)
         for slot, a in bufs.items():
             _put(d, slot, a.view(np.int8) if slot in (drv.A_XG, drv.A_HQ) else a)
         if len(self._tmpl) > 16:
             self._tmpl.clear()
         self._tmpl[key] = d
         # the scratch templates may have bumped the version while allocating: key on the final one
-        self._tmpl[(id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str)] = d
+        self._tmpl[(id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str,
+                    self.column_down)] = d
         return d
 
     # -- calls
@@ -647,6 +670,24 @@ def tsc_hz() -> float:
         c1, t1 = drv.read_cycles(), time.perf_counter()
         _TSC_HZ.append((c1 - c0) / (t1 - t0))
     return _TSC_HZ[0]
+
+
+def _call_rows(xbytes: int, n13: int, hbytes: int, n2: int) -> tuple[int, int, int]:
+    """(gate+up rows per kernel call, rows of a participant's gate+up outputs, down rows per
+    column-task call), multiples of 32. A call's gathered activations are about 1 MiB at most
+    (the AMX kernels' M chunk is 512 KiB, so larger experts lose nothing by the split), its
+    gate+up outputs stay in the participant's scratch when 2 MiB hold 32 rows or more (a
+    whole-expert task's activations then read them from its own cache; else from the shared
+    rows), and a column task's down outputs (full rows, one column range used) are 2 MiB."""
+    gch = max(32, (1 << 20) // xbytes // 32 * 32)
+    gus = (2 << 20) // (n13 * 4) // 32 * 32
+    if gus >= 32:
+        gch = min(gch, gus)
+        gus = gch
+    else:
+        gus = 0
+    dch = max(32, min((1 << 20) // hbytes, (2 << 20) // (n2 * 4)) // 32 * 32)
+    return gch, gus, dch
 
 
 def _cap(n: int) -> int:
