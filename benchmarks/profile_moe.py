@@ -396,12 +396,6 @@ def main(argv=None):
             for L in nopipe:
                 L.pipelined_decode = False
             vars_["nopipe"] = nopipe
-            # prefill's down GEMM per expert into y, then the token combine (before the column
-            # tasks: _moe_driver._down_columns)
-            rowdown = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
-            for L in rowdown:
-                L.column_down = False
-            vars_["rowdown"] = rowdown
             if a.variant_names:
                 keep = set(a.variant_names.split(",")) | {"default"}
                 vars_ = {n: v for n, v in vars_.items() if n in keep}

@@ -44,7 +44,6 @@ from numba.extending import intrinsic, overload
 
 from . import cache as _cache
 from .actquant import _u32_as_f32, bf16_bits_to_f32, bf16_row, f32_to_bf16_bits, quant_row_i8
-from ._simd import prefetch_l2
 from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, atomic_add,
                    atomic_load, atomic_store, flag_load, flag_store, icall_codegen,
                    native_address, spin_relax)
@@ -63,9 +62,9 @@ A_XG, A_XS, A_GU, A_HQ, A_HS, A_Y, A_ACC = 16, 17, 18, 19, 20, 21, 22
 A_DEP = 23  # int64 [E * DEP_STRIDE]: per expert, gate+up tasks left and "activations ready"
 A_RSLOT = 24  # int32 [rows]: gathered row -> its slot (t - t0) * K + k
 # per-participant scratch, int8 [nth, bytes each]: gathered activation rows and their scales,
-# gate+up outputs of a whole-expert task (kept in that core's cache), down outputs of a column task
-A_XGS, A_XSS, A_GUS, A_YS = 25, 26, 27, 28
-N_SLOTS = 29
+# gate+up outputs of a whole-expert task (kept in that core's cache)
+A_XGS, A_XSS, A_GUS = 25, 26, 27
+N_SLOTS = 28
 S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 256, 257, 258, 259, 260, 261, 262, 263
 S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 264, 265, 266, 267, 268, 269
 D_KV13, D_KM13, D_KV2, D_KM2 = 270, 271, 272, 273  # kernel entry points (kernel_address)
@@ -77,9 +76,7 @@ S_RESULT = 281  # a gated job's own int64 [RESULT_WORDS] result (see R_*), its h
 S_PIPE = 282  # 1: pipelined decode allowed (see the module docstring)
 S_GCH = 283   # rows per gate+up kernel call (the A_XGS rows of a participant)
 S_GUS = 284   # rows of a participant's A_GUS (0: whole-expert tasks write the shared gu rows)
-S_DCH = 285   # rows per down kernel call of a column task (the A_YS rows of a participant)
-S_COLS = 286  # 1: prefill's down GEMM and combine by output columns (see the module docstring)
-DESC_WORDS = 287  # the words above (a layer's template covers them all)
+DESC_WORDS = 285  # the words above (a layer's template covers them all)
 R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
 RESULT_WORDS = 5
 
@@ -90,7 +87,6 @@ ROW_BLOCK = 8     # gathered rows per activation task
 TASKS_PER_THREAD = 4
 DEP_STRIDE = 8    # one cache line of A_DEP per expert: [0] gate+up tasks left, [1] ready
 PIPE_ACT_MAX = 8192  # pipelined decode only if every expert's activations (rows x I) are this small
-COLS_MIN_ROWS = 64   # down by columns only with at least this many gathered rows per thread
 
 
 # words after the phases of the last chunk (a gated job's): gate open, finishers, ids outside
@@ -664,98 +660,6 @@ def _down_rows(desc, scheme, e, r0, r1, nb0, nb1, small, hq, hs, y):
 
 
 @njit(nogil=True, cache=True)
-def _prefetch_w2(desc, scheme, e, b0, b1):
-    """Hint expert e's down weight blocks [b0, b1) into L2 (a column task calls the kernel once
-    per expert, and a kernel prefetches only its own later blocks)."""
-    o = A_W2D * SLOT
-    blk = desc[o + 3] * desc[o + 4] * desc[o + 5] * (2 if scheme == SCHEME_BF16 else 1)
-    data = carray(_ptr(desc[o], np.int8), (desc[o + 1] * desc[o + 2] * blk,))
-    start = (e * desc[o + 2] + b0) * blk
-    for off in range(start, start + (b1 - b0) * blk, 64):
-        prefetch_l2(data, off)
-
-
-@njit(nogil=True, cache=True)
-def _down_columns(desc, scheme, me, b0, b1, n_act, order, offs, rslot, K, R, t0, nt, tw, hq, hs,
-                  acc, out, incremental, gemv_max, prof_on):
-    """A column task (phases 4 and 5 at once): output columns of blocks [b0, b1) of tokens
-    [t0, t0 + nt), out = (out if incremental) + sum_k w[t,k] y[row(t,k)], with y computed here
-    expert by expert (in ``order``, a fixed order, so the sums are deterministic) into the
-    participant's A_YS rows and added into acc (fp32 [>= nt, N]) while still in cache.
-    Returns the cycles spent outside the GEMM calls (prof_on): the combine's share."""
-    dch = desc[S_DCH]
-    n2 = acc.shape[1]
-    H = desc[S_H]
-    ys = _part(desc, A_YS, me, dch, n2, np.float32)
-    c0 = 16 * b0
-    c1 = min(16 * b1, H)
-    cc = cycles() if prof_on else 0
-    comb = np.int64(0)
-    for t in range(nt):
-        ar = acc[t]
-        if incremental:
-            for c in range(c0, c1):
-                ar[c] = _to_f32(out[t0 + t, c])
-        else:
-            for c in range(c0, c1):
-                ar[c] = np.float32(0.0)
-    for a in range(n_act):
-        e = order[a]
-        r0 = offs[e]
-        r1 = offs[e + 1]
-        small = r1 - r0 <= gemv_max * R
-        if a + 1 < n_act:  # the next expert's first block pair, while this one computes
-            _prefetch_w2(desc, scheme, order[a + 1], b0, min(b1, b0 + 2))
-        for a0 in range(r0, r1, dch):
-            a1 = min(r1, a0 + dch)
-            if prof_on:
-                c = cycles()
-                comb += c - cc
-                cc = c
-            _gemm_call(desc, scheme, 1, e, _rows(hq, a0, a1, np.int8), _seg(hs, a0, a1, np.float32),
-                       _rows(ys, 0, a1 - a0, np.float32), b0, b1, small)
-            if prof_on:
-                cc = cycles()
-            for r in range(a0, a1):
-                sl = rslot[r]
-                t = sl // K
-                w = tw[t0 + t, sl % K]
-                yr = ys[r - a0]
-                ar = acc[t]
-                for c in range(c0, c1):
-                    ar[c] += w * yr[c]
-    for t in range(nt):
-        ar = acc[t]
-        for c in range(c0, c1):
-            out[t0 + t, c] = _from_f32(ar[c], out[t0 + t, c])
-    if prof_on:
-        comb += cycles() - cc
-    return comb
-
-
-def column_tasks(nb2: int, nth: int) -> list[tuple[int, int]]:
-    """The block ranges of the column tasks (Python mirror of ``_column_tasks``, for tests)."""
-    tasks = np.zeros((max(nb2, 1), 3), np.int32)
-    n = _column_tasks(tasks, nb2, nth)
-    return [(int(tasks[j, 1]), int(tasks[j, 2])) for j in range(n)]
-
-
-@njit(nogil=True, cache=True)
-def _column_tasks(tasks, nb2, nth):
-    """Split the down GEMM's nb2 column blocks into at most nth tasks of whole block pairs (one
-    per thread: every task is the same work, and each re-reads all activations); returns the
-    count."""
-    npairs = (nb2 + 1) // 2
-    per = (npairs + nth - 1) // nth
-    n = (npairs + per - 1) // per
-    for j in range(n):
-        tasks[j, 0] = -1
-        tasks[j, 1] = 2 * j * per
-        tasks[j, 2] = min(nb2, 2 * (j + 1) * per)
-    return n
-
-
-@njit(nogil=True, cache=True)
 def moe_job(nth, jctrl, desc):
     """The MoE job (see the module docstring): every participant runs this; it returns when the
     job is complete (or aborted). Scheme, x and out dtypes come from desc (S_SCHEME, S_XBF16,
@@ -844,26 +748,18 @@ def moe_job(nth, jctrl, desc):
                             and (offs[order[0] + 1] - offs[order[0]]) * I <= PIPE_ACT_MAX)
                     if pipe:
                         _arm_pipeline(dep, tasks13, n13)
-                    # columns: the down GEMM and the combine by output columns (after every
-                    # expert's activations), so y never goes to memory
-                    cols = fused and desc[S_COLS] != 0 and rows >= COLS_MIN_ROWS * nth
-                    if cols:
-                        n2 = _column_tasks(tasks2, nb2, nth)
                     # pipelined: phase 2 runs the down tasks too, after the gate+up tasks
                     jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13 + n2 if pipe else n13
                     jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = n13  # beside ntasks
                     # fused: each gate+up task is a whole expert and also runs its activations
-                    # and (unless by columns) its down GEMM (hq stays in the task's cache)
-                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = (
-                        n2 if cols else 0 if fused or pipe else n2)
-                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = 1 if cols else 0
+                    # and its down GEMM (hq stays in the task's cache)
+                    jctrl[base + 4 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused or pipe else n2
                     # fused: the gate+up tasks compute the activations; else one task per row
                     # block (single rows when there are few, so decode's rows spread over threads)
                     rb = (ROW_BLOCK if rows >= ROW_BLOCK * R * nth else 1) * R
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = rb  # beside ntasks
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused or pipe else (rows + rb - 1) // rb
-                    jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (
-                        0 if cols else (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK)
+                    jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
                 elif ph == 1:
                     ta = t0 + i * TOKEN_BLOCK
                     tb = min(t1, ta + TOKEN_BLOCK)
@@ -871,21 +767,6 @@ def moe_job(nth, jctrl, desc):
                         _quantise_tokens(x16, t0, ta, tb, pos, H, xg, xs, acc, bf16, R)
                     else:
                         _quantise_tokens(x32, t0, ta, tb, pos, H, xg, xs, acc, bf16, R)
-                elif ph == 4 and jctrl[base + 2 * CTRL_STRIDE + 1] != 0:
-                    n_act = jctrl[pbase + 2 * PHASE_WORDS + 2 * CTRL_STRIDE + 1]
-                    b0 = np.int64(tasks2[i, 1])
-                    b1 = np.int64(tasks2[i, 2])
-                    if o_bf16:
-                        comb = _down_columns(desc, scheme, me, b0, b1, n_act, order, offs, rslot,
-                                             K, R, t0, t1 - t0, tw, hq, hs, y, o16, incremental,
-                                             gemv_max, pa != 0)
-                    else:
-                        comb = _down_columns(desc, scheme, me, b0, b1, n_act, order, offs, rslot,
-                                             K, R, t0, t1 - t0, tw, hq, hs, y, o32, incremental,
-                                             gemv_max, pa != 0)
-                    if pa != 0:  # the accumulation into out is booked as the combine
-                        prof[5, 0] += comb
-                        tc += comb
                 elif ph == 2 or ph == 4:
                     which = 0 if ph == 2 else 1
                     j = i
@@ -912,10 +793,9 @@ def moe_job(nth, jctrl, desc):
                         if not ok:
                             return
                     if which == 0:
-                        # a whole expert (the plan's "fused"): its activations too, and then
-                        # (unless by columns) its down GEMM, while its rows are in this core's
-                        # cache. A profile books them under phases 3 and 4 (which have no tasks
-                        # of their own then).
+                        # a whole expert (the plan's "fused"): its activations too, and then its
+                        # down GEMM, while its rows are in this core's cache. A profile books
+                        # them under phases 3 and 4 (which have no tasks of their own then).
                         c_act = _gate_up(desc, scheme, me, e, r0, r1, nb0, nb1, small, whole, xg,
                                          xs, rslot, K, R, gu, hq, hs, acc, bf16, pa != 0)
                         if pa != 0:
@@ -939,7 +819,7 @@ def moe_job(nth, jctrl, desc):
                         if pa != 0:
                             tc = cycles()
                             prof[3, 0] += tc - c_act
-                    if whole and jctrl[pbase + 4 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] == 0:
+                    if whole:
                         if pa != 0:
                             c_down = cycles()
                             prof[2, 0] += c_down - tc

@@ -306,10 +306,6 @@ class CPUMoE:
         # Decode's down tasks wait per expert instead of behind all-thread barriers
         # (_moe_driver's "pipelined decode"). A tuning knob, not needed for correctness.
         self.pipelined_decode = True
-        # prefill (whole-expert tasks, enough rows): the down GEMM and the combine by output
-        # columns, one task per thread, so y stays in cache (_moe_driver._down_columns). A
-        # tuning knob for A/B runs, not needed for correctness.
-        self.column_down = True
         self._all_cpu = np.ones(E, np.uint8)
         self._prof: np.ndarray | None = None  # set by profile(): [threads, phases, 2] cycles
         self._wdesc = self._weight_desc()
@@ -416,8 +412,7 @@ class CPUMoE:
         return d
 
     def _scratch_desc(self, pool: CpuPool, rows_cap: int, tok_cap: int, K: int, act_dtype) -> np.ndarray:
-        key = (id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str,
-               self.column_down)
+        key = (id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str)
         d = self._tmpl.get(key)
         if d is not None:
             return d
@@ -448,30 +443,24 @@ class CPUMoE:
             drv.A_DEP: pool.scratch("moe.dep", E * drv.DEP_STRIDE, np.int64),
         }
         # per-participant scratch (rows per kernel call, see _call_rows): gathered activations
-        # and their scales, a whole-expert task's gate+up outputs, a column task's down outputs
+        # and their scales, a whole-expert task's gate+up outputs
         nth = pool.num_threads
         xb = hp * np.dtype(act_dtype).itemsize
-        gch, gus, dch = _call_rows(xb, n13, ip * np.dtype(act_dtype).itemsize, n2)
+        gch, gus = _call_rows(xb, n13)
         for slot, name, nbytes in ((drv.A_XGS, "moe.xgs", gch * xb), (drv.A_XSS, "moe.xss", gch * 4),
-                                   (drv.A_GUS, "moe.gus", max(gus * n13 * 4, 64)),
-                                   (drv.A_YS, "moe.ys", dch * n2 * 4)):
+                                   (drv.A_GUS, "moe.gus", max(gus * n13 * 4, 64))):
             nbytes = -(-nbytes // 64) * 64
             bufs[slot] = pool.scratch(name, nth * nbytes, np.int8).reshape(nth, nbytes)
         d = self._wdesc.copy()
         d[drv.S_K] = K
-        d[drv.S_GCH], d[drv.S_GUS], d[drv.S_DCH] = gch, gus, dch
-        # down by columns re-reads every expert's activations once per thread; worth it while
-        # that is at most twice the y rows it saves (written, read back and combined: 12 B per
-        # fp32 column), as for qwen3 and deepseek shapes (not mixtral's wide I)
-        d[drv.S_COLS] = int(self.column_down and nth * ip * np.dtype(act_dtype).itemsize <= 24 * n2)
+        d[drv.S_GCH], d[drv.S_GUS] = gch, gus
         for slot, a in bufs.items():
             _put(d, slot, a.view(np.int8) if slot in (drv.A_XG, drv.A_HQ) else a)
         if len(self._tmpl) > 16:
             self._tmpl.clear()
         self._tmpl[key] = d
         # the scratch templates may have bumped the version while allocating: key on the final one
-        self._tmpl[(id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str,
-                    self.column_down)] = d
+        self._tmpl[(id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str)] = d
         return d
 
     # -- calls
@@ -672,13 +661,12 @@ def tsc_hz() -> float:
     return _TSC_HZ[0]
 
 
-def _call_rows(xbytes: int, n13: int, hbytes: int, n2: int) -> tuple[int, int, int]:
-    """(gate+up rows per kernel call, rows of a participant's gate+up outputs, down rows per
-    column-task call), multiples of 32. A call's gathered activations are about 1 MiB at most
-    (the AMX kernels' M chunk is 512 KiB, so larger experts lose nothing by the split), its
-    gate+up outputs stay in the participant's scratch when 2 MiB hold 32 rows or more (a
-    whole-expert task's activations then read them from its own cache; else from the shared
-    rows), and a column task's down outputs (full rows, one column range used) are 2 MiB."""
+def _call_rows(xbytes: int, n13: int) -> tuple[int, int]:
+    """(gate+up rows per kernel call, rows of a participant's gate+up outputs), multiples of 32.
+    A call's gathered activations are about 1 MiB at most (the AMX kernels' M chunk is 512 KiB,
+    so larger experts lose nothing by the split), and its gate+up outputs stay in the
+    participant's scratch when 2 MiB hold 32 rows or more (a whole-expert task's activations
+    then read them from its own cache; else from the shared rows)."""
     gch = max(32, (1 << 20) // xbytes // 32 * 32)
     gus = (2 << 20) // (n13 * 4) // 32 * 32
     if gus >= 32:
@@ -686,8 +674,7 @@ def _call_rows(xbytes: int, n13: int, hbytes: int, n2: int) -> tuple[int, int, i
         gus = gch
     else:
         gus = 0
-    dch = max(32, min((1 << 20) // hbytes, (2 << 20) // (n2 * 4)) // 32 * 32)
-    return gch, gus, dch
+    return gch, gus
 
 
 def _cap(n: int) -> int:

@@ -201,65 +201,42 @@ def test_gpu_mask_incremental_and_chunks(scheme, pool):
                  what="chunk_tokens=1 (40 chunks, two jobs)")
 
 
-def test_column_tasks_cover_whole_pairs():
-    from kt.cpu_ops._moe_driver import column_tasks
-
-    for nb2 in range(1, 41):
-        for nth in range(1, 21):
-            t = column_tasks(nb2, nth)
-            assert 1 <= len(t) <= nth and t[0][0] == 0 and t[-1][1] == nb2, (nb2, nth, t)
-            for (a0, a1), (b0, _) in zip(t, t[1:]):
-                assert a1 == b0 and a0 % 2 == 0 and a1 > a0, (nb2, nth, t)
-
-
 @pytest.mark.parametrize("scheme,kind", [(s, "double") for s in SCHEMES] + BEST)
-def test_column_down_matches_rows(scheme, kind, pool):
-    """Prefill's down GEMM and combine by output columns (one task per thread; y computed into
-    the task's scratch and added into an fp32 accumulator at once) against the per-expert down
-    tasks and the token combine: the same products, a token's experts summed in another fixed
-    order, so equal to fp32 rounding (1e-6), and deterministic. With masks, incremental output,
-    chunks (the last one too small for columns), bf16 in and out, two-level activations, and an
-    odd number of 16-column blocks (H=200)."""
-    import torch
+def test_gathered_calls_are_identical(scheme, kind, pool, monkeypatch):
+    """Gate+up calls gather their rows' activations (quantised once per token) into the
+    participant's scratch, in calls of at most S_GCH rows, and a whole-expert task keeps its
+    gate+up outputs in its own scratch (S_GUS rows) when they fit. Every row is computed by the
+    same kernel on the same numbers however the rows are split into calls and wherever the
+    outputs go: whole-expert and split tasks, one call or many (32 rows), own or shared gate+up
+    rows, give bit-identical outputs; with masks, chunks and two-level activations."""
+    from kt.cpu_ops import moe as moe_mod
 
     base = layer(scheme, kind, pool=pool)[0]
-    assert base.w2.n_pad // 16 % 2 == 1
     kern = DOUBLES[scheme] if kind == "double" else (base._kv, base._km)
-    rng = np.random.default_rng(21)
+    rng = np.random.default_rng(23)
     E, H = base.num_experts, base.hidden
     gmask = np.zeros(E, bool)
-    gmask[[1, 6]] = True
-    kinds = [dict(), dict(chunk_tokens=70)] + ([dict(activations="int8x2")] if scheme != "bf16" else [])
-    T = 150
+    gmask[[2, 4]] = True
+    real = moe_mod._call_rows
+    T = 120
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    ids, w = routing(rng, T, E, 3)
+    ids[:, 0] = 5  # one expert with T rows: several 32-row calls
+    kinds = [dict(), dict(chunk_tokens=50)] + ([dict(activations="int8x2")] if scheme != "bf16" else [])
     for kw in kinds:
-        on = CPUMoE(base.w13, base.w2, pool=pool, kernels=kern, **kw)
-        off = CPUMoE(base.w13, base.w2, pool=pool, kernels=kern, **kw)
-        off.column_down = False
-        for m in (on, off):
-            m.blocks_per_task = (64, 0)  # whole-expert gate+up tasks, as in prefill
-        x = rng.standard_normal((T, H), dtype=np.float32)
-        ids, w = routing(rng, T, E, 3)
-        a = on(x, ids, w, gpu_mask=gmask)
-        # the columns really ran: the last chunk's fp32 sums are left in the accumulator rows
-        t0 = (T - 1) // on.chunk_tokens * on.chunk_tokens
-        if T - t0 == min(on.chunk_tokens, T):
-            n2 = on.w2.n_pad
-            y = pool.scratch("moe.y", (T - t0) * n2, np.float32).reshape(T - t0, n2)
-            assert np.array_equal(y[:, :H], a[t0:]), kw
-        b = off(x, ids, w, gpu_mask=gmask)
-        assert_close(a, b, rtol=1e-6, atol=1e-7, what=f"columns vs rows {kw}")
-        assert np.array_equal(a, on(x, ids, w, gpu_mask=gmask)), "not deterministic"
-        check_tight(on, x, ids, w, a, mask=gmask, what=f"columns {scheme} {kw}")
-        acc_on = rng.standard_normal((T, H), dtype=np.float32)
-        acc_off = acc_on.copy()
-        on(x, ids, w, out=acc_on, incremental=True)
-        off(x, ids, w, out=acc_off, incremental=True)
-        assert_close(acc_on, acc_off, rtol=1e-6, atol=1e-6, what=f"incremental {kw}")
-        xb = torch.from_numpy(x).to(torch.bfloat16)
-        ob_on, ob_off = on(xb, ids, w), off(xb, ids, w)
-        assert ob_on.dtype == torch.bfloat16
-        d = (ob_on.float() - ob_off.float()).abs()
-        assert (d <= 2.0 ** -7 * ob_off.float().abs() + 1e-6).all(), f"bf16 {kw}"
+        outs = {}
+        for rows in ("default", (32, 32), (32, 0)):
+            for bpt in ((64, 64), (4, 4)):
+                if rows != "default":
+                    monkeypatch.setattr(moe_mod, "_call_rows", lambda xb, n13, r=rows: r)
+                m = CPUMoE(base.w13, base.w2, pool=pool, kernels=kern, **kw)
+                m.blocks_per_task = bpt
+                outs[(rows, bpt)] = m(x, ids, w, gpu_mask=gmask)
+                monkeypatch.setattr(moe_mod, "_call_rows", real)
+        ref_out = outs[("default", (64, 64))]
+        check_tight(base if not kw else m, x, ids, w, ref_out, mask=gmask, what=f"{kw}")
+        for k, o in outs.items():
+            assert np.array_equal(o, ref_out), (kw, k)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
