@@ -61,6 +61,12 @@ VARIANTS = {  # pfa (A L1 distance), pfb (B L1 distance), raw epilogue, 1x2 doub
     # chunk's panels (2), or once at the end of the call (3)
     "alAB_rawpair": (0, 0, 2, False, True, True),
     "alAB_rawend": (0, 0, 3, False, True, True),
+    # the block pairs' L2 prefetch (shipped since session 9: the pair two ahead, spread over this
+    # pair's k-steps): none at all, the next pair only (before), or the next pair all issued
+    # during this pair's first panel
+    "l2none": (0, 0, 3, False, True, True, 0, "none"),
+    "l2d1": (0, 0, 3, False, True, True, 0, "d1"),
+    "l2front": (0, 0, 3, False, True, True, 0, "front"),
 }
 
 
@@ -78,7 +84,7 @@ def aligned_copy(a, off=0):
     return b
 
 
-def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo, kcs=0):
+def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo, kcs=0, l2=""):
     from kt.cpu_ops._amx import (prefetch_l1, prefetch_l2, prefetch_w, row16_scale_store, tdpbssd,
                                  tileloadd64, tilerelease, tilestored64, tilezero)
 
@@ -249,7 +255,7 @@ def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo, kcs=0):
                 o0 = b * blk
                 o1 = o0 + blk if b + 1 < nb1 else o0
                 two = b + 1 < nb1
-                n0, n1, nlines, per = pair_pf(b, nb1, blk, npan, ks)
+                n0, n1, nlines, per = pair_pf(b, nb0, nb1, blk, npan, ks)
                 pl = 0
                 for s0 in range(0, ks, kcs):
                     s1 = min(ks, s0 + kcs)
@@ -302,7 +308,19 @@ def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo, kcs=0):
                 o0 = b * blk
                 o1 = o0 + blk if b + 1 < nb1 else o0
                 two = b + 1 < nb1
-                n0, n1, nlines, per = pair_pf(b, nb1, blk, npan, ks)
+                n0, n1, nlines, per = pair_pf(b, nb0, nb1, blk, npan, ks)
+                if l2 == "none":
+                    per = 0
+                elif l2 == "front" or l2 == "d1":
+                    lo = (b + 2) * blk
+                    hi = min(b + 4, nb1) * blk
+                    tot = (hi - lo) // 64
+                    per = 0
+                    if tot > 0:
+                        n0 = lo
+                        nlines = (tot + 1) // 2
+                        n1 = lo + 64 * nlines
+                        per = (tot + npan * ks - 1) // (npan * ks if l2 == "d1" else ks)
                 pl = 0
                 for mp in range(mc0, mc1, 32):
                     a0 = (mp // 16) * ks * sb
