@@ -181,6 +181,15 @@ def _amx_variants(scheme):
         def k8(xb, data, out, nb0, nb1):
             KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 0, True,
                               False)
+
+        # the M chunks before session 9: 512 KiB of A (128 rows at D=2048, so an expert of 129+
+        # rows streams its weights twice)
+        @njit(nogil=True)
+        def k128(xb, data, out, nb0, nb1):
+            KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, max((1 << 19) // (2 * xb.shape[1]) // 32 * 32,
+                                                           32), 0, True, True)
+
+        return {"blocked": k, "no_pfw": k8, "mc512k": k128}
     else:
         # INT4: the per-group flush kernel that gemm_int4 used for every matrix before the
         # flush-free ratio kernel (and still uses for scales not of the quantiser's form)
@@ -201,7 +210,7 @@ def _amx_variants(scheme):
             else:
                 KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
 
-        return {"i4flush": k4, "i4pfd2": k4d2}
+        return {"i4flush": k4, "i4d2": k4d2}
     return {"blocked": k, "no_pfw": k8}
 
 

@@ -99,14 +99,17 @@ def routing(rng, T, E, K, skip_frac=0.1):
     return ids, w
 
 
-def check_tight(m, x, ids, w, out, mask=None, what=""):
+def check_tight(m, x, ids, w, out, mask=None, what="", whole=1e-4):
+    """whole: the bound on the whole output's relative error. One row moved by a requantisation
+    flip (the rare effect above, <= 5e-3 of its norm) moves the whole output of T rows by about
+    5e-3 / sqrt(T): tests that may meet one pass a larger bound (AMX INT8 meets one at T=120)."""
     r = quantized_ref(m, x, ids, w, mask).astype(np.float64)
     o = np.asarray(out, np.float64)
     assert o.shape == r.shape, what
     if not r.size:
         return
     err = ref.relative_error(o, r)
-    assert err <= 1e-4, f"{what}: relative error {err:.3g} > 1e-4"
+    assert err <= whole, f"{what}: relative error {err:.3g} > {whole}"
     d = np.linalg.norm(o - r, axis=1)
     n = np.linalg.norm(r, axis=1)
     bad = d > 5e-3 * n + 1e-6 * (n.max() + 1e-30)
@@ -234,9 +237,9 @@ def test_gathered_calls_are_identical(scheme, kind, pool, monkeypatch):
                 outs[(rows, bpt)] = m(x, ids, w, gpu_mask=gmask)
                 monkeypatch.setattr(moe_mod, "_call_rows", real)
         ref_out = outs[("default", (64, 64))]
-        check_tight(base if not kw else m, x, ids, w, ref_out, mask=gmask, what=f"{kw}")
         for k, o in outs.items():
             assert np.array_equal(o, ref_out), (kw, k)
+        check_tight(m, x, ids, w, ref_out, mask=gmask, what=f"{kw}", whole=1e-3)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
