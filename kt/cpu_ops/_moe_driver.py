@@ -7,9 +7,11 @@ phases separated by task-counting barriers (a phase ends when all its tasks are 
 them, so threads may join late):
     0 plan      (1 task)       bucket the chunk's (token, slot) pairs by expert -> rows of the
                                gathered buffers; list the (expert, row-block range) tasks
-    1 quantise  (token blocks) x -> int8 + per-token scale (or bf16), once per token, copied to
-                               each of the token's expert rows
-    2 gate+up   (dynamic)      gu[rows of e] = xq[rows of e] @ w13[e]^T   [T_e, 2I] fp32
+    1 quantise  (token blocks) x -> int8 + per-token scale (or bf16), once per token with a
+                               CPU slot (R rows: two-level activations have two)
+    2 gate+up   (dynamic)      gu[rows of e] = xq[tokens of e's rows] @ w13[e]^T   [T_e, 2I] fp32,
+                               the rows' activations gathered into the participant's scratch
+                               per kernel call (at most S_GCH rows)
     3 act       (row blocks)   h = silu(gate) * up, requantised per row (or bf16-rounded)
     4 down      (dynamic)      y[rows of e] = hq[rows of e] @ w2[e]^T     [T_e, H] fp32
     5 combine   (token blocks) out[t] = (out[t] if incremental) + sum_k w[t,k] * y[row(t,k)]
@@ -21,8 +23,10 @@ Tasks of phases 2 and 4 are (expert, row-block range) pairs, biggest experts fir
 a pure function of the work and the thread count (``_blocks_per_task``): in decode each expert's
 rows are split over the threads, in prefill whole experts are handed out dynamically. When every
 task is a whole expert ("fused", prefill), a phase-2 task runs the expert's gate+up, activations
-and down back to back (its rows stay in that core's caches) and phases 3 and 4 have no tasks; a
-chunk of at most TOKEN_BLOCK tokens is quantised by the plan task (one barrier less in decode).
+and down back to back (its rows stay in that core's caches: the gate+up outputs go to the
+participant's own scratch when S_GUS rows hold them, so they never reach memory) and phases 3 and
+4 have no tasks; a chunk of at most TOKEN_BLOCK tokens is quantised by the plan task (one barrier
+less in decode).
 Pipelined decode (desc[S_PIPE] != 0, tasks split within experts and every expert's activations small,
 <= PIPE_ACT_MAX elements): phase 2 lists the gate+up tasks and then the down tasks, and phases 3 and
 4 have none; the participant finishing an expert's last gate+up task computes its activations and
