@@ -58,3 +58,43 @@ def test_kernels_are_cached_under_the_kt_key(tmp_path):
     assert d.startswith(str(tmp_path))
     files = os.listdir(d)
     assert any(f.endswith(".nbi") for f in files) and any(f.endswith(".nbc") for f in files), files
+
+
+_VECTOR_SCRIPT = """
+import re, sys
+import numpy as np
+import llvmlite.binding as llvm
+from numba.core import config
+import kt.cpu_ops.moe  # installs the cache (and the vector width) before any compile
+from kt.cpu_ops import _moe_driver as drv
+wide = bool(llvm.get_host_cpu_features().get("avx512f", False))
+print("flag", "-prefer-256-bit" in (config.CPU_FEATURES or ""), "wide", wide)
+gu = np.zeros((4, 64), np.float32)
+hq = np.zeros((4, 64), np.int8)
+drv._act_rows(gu, 0, 4, 32, 32, hq, np.zeros(4, np.float32), np.zeros(64, np.float32), False, 1, 0)
+asm = next(iter(drv._act_rows.inspect_asm().values()))
+print("zmm", len(re.findall(r"%zmm", asm)) > len(re.findall(r"%ymm", asm)))
+"""
+
+
+def test_vectoriser_gets_512_bit_registers_on_avx512_hosts(tmp_path):
+    """On AVX-512 hosts kt's vectorised loops use zmm registers (LLVM's Intel server tuning would
+    pick ymm); an explicit NUMBA_CPU_FEATURES is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KT_CACHE_DIR=str(tmp_path / "c1"))
+    env.pop("NUMBA_CPU_FEATURES", None)
+    r = subprocess.run([sys.executable, "-c", _VECTOR_SCRIPT], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    wide = "wide True" in r.stdout
+    assert ("flag True" in r.stdout) == wide, r.stdout
+    if wide:
+        assert "zmm True" in r.stdout, r.stdout
+    env = dict(env, KT_CACHE_DIR=str(tmp_path / "c2"), NUMBA_CPU_FEATURES="+avx2,+fma,+f16c")
+    r = subprocess.run([sys.executable, "-c", _VECTOR_SCRIPT.replace("print(\"zmm\"", "0 and print(\"zmm\"")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "flag False" in r.stdout, r.stdout

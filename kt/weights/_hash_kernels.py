@@ -9,6 +9,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..cpu_ops.cache import prefer_512_bit_vectors
+
+prefer_512_bit_vectors()  # before Numba's first compile (kt.cpu_ops.cache explains)
+
 P1 = np.uint64(0x9E3779B185EBCA87)
 P2 = np.uint64(0xC2B2AE3D27D4EB4F)
 P3 = np.uint64(0x165667B19E3779F9)

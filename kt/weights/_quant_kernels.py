@@ -16,6 +16,10 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from ..cpu_ops.cache import prefer_512_bit_vectors
+
+prefer_512_bit_vectors()  # before Numba's first compile (kt.cpu_ops.cache explains)
+
 _F32_MAX = np.float32(3.4028234663852886e38)
 _RATIO_MAX = 18  # reference.INT4_RATIO_MAX
 
