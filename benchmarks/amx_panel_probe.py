@@ -67,6 +67,8 @@ VARIANTS = {  # pfa (A L1 distance), pfb (B L1 distance), raw epilogue, 1x2 doub
     "l2none": (0, 0, 3, False, True, True, 0, "none"),
     "l2d1": (0, 0, 3, False, True, True, 0, "d1"),
     "l2front": (0, 0, 3, False, True, True, 0, "front"),
+    "l2d3": (0, 0, 3, False, True, True, 0, "d3"),
+    "l2d4": (0, 0, 3, False, True, True, 0, "d4"),
 }
 
 
@@ -89,6 +91,10 @@ def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo, kcs=0, l2=""):
                                  tileloadd64, tilerelease, tilestored64, tilezero)
 
     config, pair_pf, store_panel = KA._config, KA._pipe_pair_prefetch, KA._store_panel
+    # l2: "" the shipped prefetch (two pairs ahead), "none", "front" (the next pair, all issued in
+    # the first panel), "dN" (N pairs ahead, spread over the pair's k-steps)
+    l2_none, l2_front = l2 == "none", l2 == "front"
+    l2_dist = 1 if l2_front else (int(l2[1:]) if l2.startswith("d") else 0)
     copy64 = KA.copy64
     empty_line = KA.empty_line
 
@@ -255,7 +261,7 @@ def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo, kcs=0, l2=""):
                 o0 = b * blk
                 o1 = o0 + blk if b + 1 < nb1 else o0
                 two = b + 1 < nb1
-                n0, n1, nlines, per = pair_pf(b, nb0, nb1, blk, npan, ks)
+                n0, n1, nlines, per = pair_pf(b, nb0, nb1, blk, npan, ks, 2)
                 pl = 0
                 for s0 in range(0, ks, kcs):
                     s1 = min(ks, s0 + kcs)
@@ -308,19 +314,21 @@ def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo, kcs=0, l2=""):
                 o0 = b * blk
                 o1 = o0 + blk if b + 1 < nb1 else o0
                 two = b + 1 < nb1
-                n0, n1, nlines, per = pair_pf(b, nb0, nb1, blk, npan, ks)
-                if l2 == "none":
+                n0, n1, nlines, per = pair_pf(b, nb0, nb1, blk, npan, ks, 2)
+                if l2_none:
                     per = 0
-                elif l2 == "front" or l2 == "d1":
-                    lo = (b + 2) * blk
-                    hi = min(b + 4, nb1) * blk
+                elif l2_dist > 0:
+                    dd = l2_dist
+                    lo = (b + 2 if b == nb0 else b + 2 * dd) * blk
+                    hi = min(b + 2 * dd + 2, nb1) * blk
                     tot = (hi - lo) // 64
                     per = 0
                     if tot > 0:
                         n0 = lo
                         nlines = (tot + 1) // 2
                         n1 = lo + 64 * nlines
-                        per = (tot + npan * ks - 1) // (npan * ks if l2 == "d1" else ks)
+                        den = ks if l2_front else npan * ks
+                        per = (tot + den - 1) // den
                 pl = 0
                 for mp in range(mc0, mc1, 32):
                     a0 = (mp // 16) * ks * sb
@@ -447,7 +455,7 @@ def main(argv=None):
             xq = np.ascontiguousarray(xq.astype(np.int8))
             xs = np.ascontiguousarray(xs.astype(np.float32).reshape(-1))
             fs = {"shipped": lambda data, out: KA.gemm_int8_pipe(xq, xs, data, p.scale, out, 0, nb,
-                                                                 mc, 0, True, True)}
+                                                                 mc, 0, 2, True)}
             if "alB" in names:
                 fs["alB"] = fs["shipped"]
             for name, g in ks.items():

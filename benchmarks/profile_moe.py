@@ -171,7 +171,14 @@ def _amx_variants(scheme):
         @njit(nogil=True)
         def k8(xq, xs, data, scale, wsum, out, nb0, nb1):
             KA.gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
-                              0, True, False)
+                              0, 2, False)
+
+        def dist(d):  # the L2 prefetch d block pairs ahead (the kernels use 2)
+            @njit(nogil=True)
+            def kd(xq, xs, data, scale, wsum, out, nb0, nb1):
+                KA.gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
+                                  0, d, True)
+            return kd
     elif scheme is QuantScheme.BF16:
         @njit(nogil=True)
         def k(xb, data, out, nb0, nb1):
@@ -179,7 +186,7 @@ def _amx_variants(scheme):
 
         @njit(nogil=True)
         def k8(xb, data, out, nb0, nb1):
-            KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 0, True,
+            KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 0, 2,
                               False)
 
         # the M chunks before session 9: 512 KiB of A (128 rows at D=2048, so an expert of 129+
@@ -187,9 +194,17 @@ def _amx_variants(scheme):
         @njit(nogil=True)
         def k128(xb, data, out, nb0, nb1):
             KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, max((1 << 19) // (2 * xb.shape[1]) // 32 * 32,
-                                                           32), 0, True, True)
+                                                           32), 0, 2, True)
 
-        return {"blocked": k, "no_pfw": k8, "mc512k": k128}
+        def dist(d):  # the L2 prefetch d block pairs ahead (the kernels use 2)
+            @njit(nogil=True)
+            def kd(xb, data, out, nb0, nb1):
+                KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 0, d,
+                                  True)
+            return kd
+
+        return {"blocked": k, "no_pfw": k8, "mc512k": k128, "l2d1": dist(1), "l2d3": dist(3),
+                "l2d4": dist(4)}
     else:
         # INT4: the per-group flush kernel that gemm_int4 used for every matrix before the
         # flush-free ratio kernel (and still uses for scales not of the quantiser's form)
@@ -211,7 +226,7 @@ def _amx_variants(scheme):
                 KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
 
         return {"i4flush": k4, "i4d2": k4d2}
-    return {"blocked": k, "no_pfw": k8}
+    return {"blocked": k, "no_pfw": k8, "l2d1": dist(1), "l2d3": dist(3), "l2d4": dist(4)}
 
 
 def bandwidth(threads, gib=4.0):
@@ -278,12 +293,12 @@ def gemm_alone(rows, rng):
 
         fns = {
             "blocked": lambda: KA.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, mc, 32, 0),
-            "pipe": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, False, True),
-            "pipe_l2": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, True, True),
+            "pipe": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, 0, True),
+            "pipe_l2": lambda: KA.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, 2, True),
             "blocked_cold": lambda: KA.gemm_int8_blocked(xq, xs, nxt(), p.scale, out, 0, nb, mc, 32, 0),
-            "pipe_pf8_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 8, False, True),
-            "pipe_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 0, True, True),
-            "pipe_pf4_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 4, True, True),
+            "pipe_pf8_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 8, 0, True),
+            "pipe_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 0, 2, True),
+            "pipe_pf4_l2_cold": lambda: KA.gemm_int8_pipe(xq, xs, nxt(), p.scale, out, 0, nb, mc, 4, 2, True),
         }
         outs = {}
         for k, f in fns.items():

@@ -356,14 +356,17 @@ def _scale_full(out, ost, m0, m1, m_all, nb0, nb1, scale, s0, xs):
 
 
 @njit(nogil=True, cache=True)
-def _pipe_pair_prefetch(b, nb0, nb1, blk, npan, ks):
+def _pipe_pair_prefetch(b, nb0, nb1, blk, npan, ks, dist):
     """(first and second half's offsets, lines per half, lines per k-step) of the L2 prefetch
-    while block pair b is computed: the pair two ahead (blocks b + 4, b + 5), and at the first
-    pair also the next one (b + 2, b + 3); zero lines when there is none. One pair ahead was
-    10 % slower on the device with 16 threads and cold weights (amx_panel_probe ``l2d2``,
-    session 9: INT8 gate+up 0.910 vs 0.818 TOPS per thread, down 0.657 vs 0.603, medians)."""
-    lo = (b + 2 if b == nb0 else b + 4) * blk
-    hi = min(b + 6, nb1) * blk
+    while block pair b is computed: the pair ``dist`` pairs ahead, and at the first pair also
+    every pair before it; zero lines when there is none (or dist is 0). The kernels use dist=2:
+    one pair ahead was 10 % slower on the device with 16 threads and cold weights
+    (amx_panel_probe, session 9: INT8 gate+up 0.910 vs 0.818 TOPS per thread, down 0.657 vs
+    0.603, medians)."""
+    if dist <= 0:
+        return 0, 0, 0, 0
+    lo = (b + 2 if b == nb0 else b + 2 * dist) * blk
+    hi = min(b + 2 * dist + 2, nb1) * blk
     if hi <= lo:
         return 0, 0, 0, 0
     lw = blk // (ks * 16)            # elements per line
@@ -398,9 +401,7 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, pfb, l2, pfw, bf, xs, scale):
             o0 = b * blk
             # an odd last block pairs with itself (its second product is computed, not stored)
             o1 = o0 + blk if b + 1 < nb1 else o0
-            n0, n1, nlines, per = _pipe_pair_prefetch(b, nb0, nb1, blk, npan, ks)
-            if not l2:
-                per = 0
+            n0, n1, nlines, per = _pipe_pair_prefetch(b, nb0, nb1, blk, npan, ks, l2)
             pl = 0
             for mp in range(mc0, mc1, 32):
                 a0 = (mp // 16) * ks * sb
@@ -417,8 +418,8 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, pfb, l2, pfw, bf, xs, scale):
 @njit(nogil=True, cache=True)
 def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, pfb, l2, pfw):
     """Large-M INT8, software-pipelined (``_pipe_panel``), whole K per panel, mc rows per M chunk;
-    pfb: L1 prefetch distance of cold B (k-steps, 0: none); l2: prefetch the next block pair
-    into L2 while this one is computed; pfw: prefetch the output lines for writing. Same result
+    pfb: L1 prefetch distance of cold B (k-steps, 0: none); l2: prefetch the block pair l2
+    pairs ahead into L2 while this one is computed (0: none; 2 by default); pfw: prefetch the output lines for writing. Same result
     as ``gemv_int8``."""
     _gemm_pipe(xq, data, out, nb0, nb1, mc, pfb, l2, pfw, False, xs, scale)
 
@@ -435,7 +436,7 @@ def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     """Large-M INT8 (same contract as ``gemv_int8``): the pipelined 2x2-tile kernel with the next
     block pair prefetched into L2 (device run 2, 16 threads, qwen3 layer: 16 % faster than the
     blocked kernel at T=512, 8 % at T=2048)."""
-    gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 0, True, True)
+    gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 0, 2, True)
 
 
 # ----------------------------------------------------------------------------- INT4
@@ -839,7 +840,7 @@ def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
 def gemm_bf16(xb, data, out, nb0, nb1):
     """Large-M BF16 (same contract as ``gemv_bf16``): the pipelined kernel with L2 prefetch
     (device run 2, qwen3 layer, 16 threads: 24 % faster than blocked at T=512, 21 % at 2048)."""
-    gemm_bf16_pipe(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 0, True, True)
+    gemm_bf16_pipe(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 0, 2, True)
 
 
 # ----------------------------------------------------------------------------- roofline

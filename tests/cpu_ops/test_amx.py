@@ -310,6 +310,7 @@ class TileUnit:
         self.reg = np.zeros((8, 16, 64), np.uint8)
         self.configured = False
         self.prefetched_w = set()
+        self.prefetched_l2 = []
 
     def ldtilecfg(self, cfg):
         assert cfg.dtype == np.uint8 and cfg.size == 64 and cfg[0] == 1 and cfg[1] == 0
@@ -412,7 +413,7 @@ class TileUnit:
         pass  # a hint; never faults
 
     def prefetch_l2(self, ary, index):
-        pass
+        self.prefetched_l2.append((ary.size, index))  # a hint; the tests check where it aims
 
     def prefetch_w(self, ary, index):
         # a hint too, but the kernels aim it at the output lines they write: check the aim
@@ -515,12 +516,12 @@ def _check_blocked(mod, scheme, pf):
         xb = _pad_cols(ref.f32_to_bf16_bits(x), p.d_pad)
         mod.gemm_bf16_blocked(xb, p.data, out, 0, nb, 32, 1, pf)
         # the pipelined variant sums each panel over K in the order gemm_bf16 does: identical
-        for mc, l2, pfw in ((32, True, True), (64, False, False), (64, True, False)):
+        for mc, l2, pfw in ((32, 2, True), (64, 0, False), (64, 1, False), (64, 3, True)):
             pipe = np.full((m, p.n_pad), np.nan, np.float32)
             mod.gemm_bf16_pipe(xb, p.data, pipe, 0, nb, mc, pf, l2, pfw)
             assert_exact(whole, pipe, what=f"bf16 pipelined pf={pf} mc={mc} vs gemm")
         part = np.full((m, p.n_pad), np.nan, np.float32)
-        mod.gemm_bf16_pipe(xb, p.data, part, 1, nb, 64, pf, True, True)
+        mod.gemm_bf16_pipe(xb, p.data, part, 1, nb, 64, pf, 2, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="bf16 pipelined block range")
         xr, wr = ref.bf16_round(x), ref.dequantize(ref.quantize(w, "bf16"))
@@ -536,17 +537,27 @@ def _check_blocked(mod, scheme, pf):
         mod.gemm_int8_blocked(xq, xs, p.data, p.scale, out, 0, nb, 32, 1, pf)
         # the software-pipelined variant (odd block count: the last pair is half), and a block
         # range inside the matrix leaves the other columns untouched
-        for mc, l2, pfw in ((32, True, True), (64, False, False), (64, True, False)):
+        for mc, l2, pfw in ((32, 2, True), (64, 0, False), (64, 1, False), (64, 3, True)):
             pipe = np.full((m, p.n_pad), np.nan, np.float32)
             mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, mc, pf, l2, pfw)
             assert_exact(whole, pipe, what=f"int8 pipelined pf={pf} mc={mc} vs gemm")
         if hasattr(mod, "unit"):  # emulated: pfw requested exactly the lines the epilogue wrote
             mod.unit.prefetched_w.clear()
-            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, 32, pf, True, True)
+            mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, 32, pf, 2, True)
             assert mod.unit.prefetched_w == {r * p.n_pad + 16 * b for r in range(m)
                                              for b in range(nb)}
+            # the L2 prefetch l2 pairs ahead: inside the weights, every block after the first
+            # pair once per M chunk (all of them at the first pair when l2 reaches the end)
+            blk = p.data.size // nb
+            for l2 in (0, 1, 2, 3):
+                mod.unit.prefetched_l2.clear()
+                mod.gemm_int8_pipe(xq, xs, p.data, p.scale, pipe, 0, nb, 1024, pf, l2, False)
+                idx = [i for size, i in mod.unit.prefetched_l2 if size == p.data.size]
+                assert all(0 <= i < p.data.size for i in idx), l2
+                assert sorted(idx) == sorted(set(idx)), f"l2={l2}: a line prefetched twice"
+                assert {i // blk for i in idx} == (set(range(2, nb)) if l2 else set()), l2
         part = np.full((m, p.n_pad), np.nan, np.float32)
-        mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, pf, True, True)
+        mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, pf, 2, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="int8 pipelined block range")
         gv = np.full((m, p.n_pad), np.nan, np.float32)
