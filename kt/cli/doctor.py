@@ -92,6 +92,10 @@ def collect() -> dict:
         key_dir = str(cache.kernel_cache_dir(cpu["variant"])) if cpu["variant"] else None
     except Exception as exc:  # e.g. numba missing
         key_dir = f"unavailable: {exc}"
+    try:
+        cpu["vector_loops_512"] = cache.prefer_512_bit_vectors()
+    except Exception:  # e.g. numba missing
+        cpu["vector_loops_512"] = None
     info["cache"] = {"root": str(cache.cache_root()), "kernel_dir": key_dir,
                      "size_bytes": cache.cache_size_bytes()}
     pk = info["packages"]
@@ -135,6 +139,10 @@ def render(info: dict) -> str:
     for w in c.get("variant_warnings", []):
         lines.append(f"  warning        {w}")
     lines.append(f"  runnable       {', '.join(c['runnable_variants']) or 'none'}")
+    if c.get("vector_loops_512") is not None:
+        lines.append("  vector loops   " + ("512-bit (kt asks LLVM for zmm; NUMBA_CPU_FEATURES unset)"
+                                          if c["vector_loops_512"] else
+                                          "LLVM's default width (no AVX-512, or NUMBA_CPU_FEATURES set)"))
     m = info["memory"]
     lines += ["", "Memory", f"  RAM            {_gib(m['available_bytes'])} available of "
               f"{_gib(m['total_bytes'])}"]
