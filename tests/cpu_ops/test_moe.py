@@ -204,6 +204,15 @@ def test_gpu_mask_incremental_and_chunks(scheme, pool):
                  what="chunk_tokens=1 (40 chunks, two jobs)")
 
 
+def _masked_setup(scheme, kind, pool, seed, masked):
+    """(layer, its kernel pair for new CPUMoEs, rng, gpu mask with ``masked`` experts set)."""
+    base = layer(scheme, kind, pool=pool)[0]
+    kern = DOUBLES[scheme] if kind == "double" else (base._kv, base._km)
+    gmask = np.zeros(base.num_experts, bool)
+    gmask[masked] = True
+    return base, kern, np.random.default_rng(seed), gmask
+
+
 @pytest.mark.parametrize("scheme,kind", [(s, "double") for s in SCHEMES] + BEST)
 def test_gathered_calls_are_identical(scheme, kind, pool, monkeypatch):
     """Gate+up calls gather their rows' activations (quantised once per token) into the
@@ -214,12 +223,8 @@ def test_gathered_calls_are_identical(scheme, kind, pool, monkeypatch):
     rows, give bit-identical outputs; with masks, chunks and two-level activations."""
     from kt.cpu_ops import moe as moe_mod
 
-    base = layer(scheme, kind, pool=pool)[0]
-    kern = DOUBLES[scheme] if kind == "double" else (base._kv, base._km)
-    rng = np.random.default_rng(23)
+    base, kern, rng, gmask = _masked_setup(scheme, kind, pool, 23, [2, 4])
     E, H = base.num_experts, base.hidden
-    gmask = np.zeros(E, bool)
-    gmask[[2, 4]] = True
     real = moe_mod._call_rows
     T = 120
     x = rng.standard_normal((T, H), dtype=np.float32)
@@ -252,12 +257,8 @@ def test_bf16_y_rows(scheme, kind, pool, monkeypatch):
 
     from kt.cpu_ops import moe as moe_mod
 
-    base = layer(scheme, kind, pool=pool)[0]
-    kern = DOUBLES[scheme] if kind == "double" else (base._kv, base._km)
-    rng = np.random.default_rng(31)
+    base, kern, rng, gmask = _masked_setup(scheme, kind, pool, 31, [1, 6])
     E, H = base.num_experts, base.hidden
-    gmask = np.zeros(E, bool)
-    gmask[[1, 6]] = True
     n2 = base.w2.n_pad
     for T, bpt, rows in ((120, (64, 64), "default"), (120, (4, 4), "default"),
                          (120, (64, 64), (32, 32)), (3, (2, 3), "default")):
