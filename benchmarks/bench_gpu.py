@@ -18,8 +18,10 @@ Parts, in order (gpu.json is rewritten after each, so a late failure loses nothi
    fraction of the bf16 matmul rate over the GEMM FLOPs; the best correct config per T goes to the table.
 4. tune (`--tune`): the gate+up and the down kernel swept *separately* (each stage alone, graph
    replay, L2 flushed) for the direct path at decode T and the sorted path at prefill T (per block_m,
-   since both sorted kernels share the alignment); the best pair then timed as a whole op against the
-   config the shipped table gives, interleaved, and written to the table if faster.
+   since both sorted kernels share the alignment; each kernel's best tiles are tried again with TMA
+   weight tiles and a flattened tile loop, one tma for both: ``pick_flags``); the best pair then timed
+   as a whole op against the config the shipped table gives, interleaved, and written to the table if
+   faster.
 5. stream_sync: a step (D2H to pinned, "start", GPU op, "wait done", H2D, add) with a Numba nogil
    worker thread, eager and captured in a CUDA graph, replayed 220 times, memop vs host-function,
    against the same graph without the CPU part.
@@ -381,6 +383,25 @@ SORTED_DOWN = [(128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (128
 TUNE_CASES = ([("qwen3-30b-a3b", d, t) for d in ("bf16", "int8") for t in (1, 4096)]
               + [("qwen3-30b-a3b", "bf16", 512), ("mixtral-8x7b", "bf16", 1)])
 TUNE_BM = {512: (64,), 4096: (64, 128)}
+# (tma, flatten) tried on the best tiles of each sorted-path kernel
+FLAGS = [(False, False), (True, False), (True, True)]
+
+
+def pick_flags(gate_up_rows, down_rows):
+    """(tma, flatten, down_flatten, estimated us) from the two kernels' flag sweeps (rows of
+    ``{"cand": [tma, flatten], "us": ...}``): one tma for both kernels (MoEConfig has one), the
+    value whose best gate+up plus best down is least; (.., None) when either sweep has no time."""
+    best = None
+    for tma in (False, True):
+        g = [r for r in gate_up_rows if "us" in r and r["cand"][0] == tma]
+        d = [r for r in down_rows if "us" in r and r["cand"][0] == tma]
+        if not (g and d):
+            continue
+        gb, db = min(g, key=lambda r: r["us"]), min(d, key=lambda r: r["us"])
+        est = gb["us"] + db["us"]
+        if best is None or est < best[3]:
+            best = (tma, bool(gb["cand"][1]), bool(db["cand"][1]), est)
+    return best if best is not None else (False, False, False, None)
 
 
 def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None):
@@ -469,8 +490,19 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
                     hb, wts["w2"], s2, w, sid, bsl, npad, MoEConfig(bm, *c), programs, M.y_dtype_for(x.dtype)),
                     SORTED_DOWN)
                 if gu and dn:
+                    # the best tiles again with TMA weight tiles and a flattened tile loop
+                    gf_rows, _ = sweep(f"bm {bm} gate+up tma/flatten", lambda f: M.gate_up(
+                        x, wts["w13"], s13, sid, bsl, npad, sh["K"],
+                        MoEConfig(bm, *gu["cand"], tma=f[0], flatten=f[1]), cdt, programs), FLAGS)
+                    df_rows, _ = sweep(f"bm {bm} down tma/flatten", lambda f: M.down(
+                        hb, wts["w2"], s2, w, sid, bsl, npad, MoEConfig(bm, *dn["cand"], tma=f[0], flatten=f[1]),
+                        programs, M.y_dtype_for(x.dtype)), FLAGS)
+                    tma, gflat, dflat, est = pick_flags(gf_rows, df_rows)
+                    if est is None:  # the flag sweeps ran out of time: the plain tiles
+                        tma, gflat, dflat, est = False, False, False, gu["us"] + dn["us"]
                     per_bm[bm] = dict(gate_up_sweep=gu_rows, down_sweep=dn_rows, gu=gu, dn=dn,
-                                      est_us=gu["us"] + dn["us"])
+                                      gate_up_flags=gf_rows, down_flags=df_rows,
+                                      flags=dict(tma=tma, flatten=gflat, down_flatten=dflat), est_us=est)
             entry["per_block_m"] = {str(k): v for k, v in per_bm.items()}
             if not per_bm:
                 res.data.setdefault("tune", []).append(entry)
@@ -478,7 +510,7 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
             bm, b = min(per_bm.items(), key=lambda kv: kv[1]["est_us"])
             g, d = b["gu"]["cand"], b["dn"]["cand"]
             tuned = MoEConfig(bm, *g, down_block_n=d[0], down_block_k=d[1], down_group_m=d[2],
-                              down_num_warps=d[3], down_num_stages=d[4])
+                              down_num_warps=d[3], down_num_stages=d[4], **b["flags"])
         # ---- the tuned pair vs the shipped table's config (and the old sorted config at decode T)
         variants = {"tuned": tuned,
                     "shipped": pick_config(t, sh["K"], sh["S"], sh["H"], sh["I"], dtype, shipped)}
