@@ -93,8 +93,8 @@ def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo, kcs=0, l2=""):
     config, pair_pf, store_panel = KA._config, KA._pipe_pair_prefetch, KA._store_panel
     # l2: "" the shipped prefetch (two pairs ahead), "none", "front" (the next pair, all issued in
     # the first panel), "dN" (N pairs ahead, spread over the pair's k-steps)
-    l2_none, l2_front = l2 == "none", l2 == "front"
-    l2_dist = 1 if l2_front else (int(l2[1:]) if l2.startswith("d") else 0)
+    l2_front = l2 == "front"
+    l2_dist = 0 if l2 == "none" else 1 if l2_front else int(l2[1:]) if l2.startswith("d") else 2
     copy64 = KA.copy64
     empty_line = KA.empty_line
 
@@ -314,21 +314,9 @@ def make_variant(KA, pfa, pfb, raw, db, al_a, al_bo, kcs=0, l2=""):
                 o0 = b * blk
                 o1 = o0 + blk if b + 1 < nb1 else o0
                 two = b + 1 < nb1
-                n0, n1, nlines, per = pair_pf(b, nb0, nb1, blk, npan, ks, 2)
-                if l2_none:
-                    per = 0
-                elif l2_dist > 0:
-                    dd = l2_dist
-                    lo = (b + 2 if b == nb0 else b + 2 * dd) * blk
-                    hi = min(b + 2 * dd + 2, nb1) * blk
-                    tot = (hi - lo) // 64
-                    per = 0
-                    if tot > 0:
-                        n0 = lo
-                        nlines = (tot + 1) // 2
-                        n1 = lo + 64 * nlines
-                        den = ks if l2_front else npan * ks
-                        per = (tot + den - 1) // den
+                n0, n1, nlines, per = pair_pf(b, nb0, nb1, blk, npan, ks, l2_dist)
+                if l2_front and nlines:  # all of them while the pair's first panel runs
+                    per = (2 * nlines + ks - 1) // ks
                 pl = 0
                 for mp in range(mc0, mc1, 32):
                     a0 = (mp // 16) * ks * sb

@@ -225,19 +225,7 @@ def _amx_variants(scheme):
             KA.gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1,
                                  KA.default_mc(xq.shape[1]), max(512, group_size), True, True)
 
-        # the ratio kernel prefetching two block pairs ahead instead of one
-        @njit(nogil=True)
-        def k4d2(xq, xs, data, scale, group_size, out, nb0, nb1):
-            nbr = max(nb1 - nb0, 0)
-            srow = KA.empty_line(nbr * 16, np.float32)
-            rx = KA.empty_line(nbr * scale.shape[1] * 64, np.int8)
-            if KA._int4_ratios(scale, nb0, nb1, srow, rx):
-                KA.gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1,
-                                   KA.default_mc(xq.shape[1]), True, 2)
-            else:
-                KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
-
-        return {"i4flush": k4, "i4d2": k4d2}
+        return {"i4flush": k4}
     return {"blocked": k, "no_pfw": k8, "l2d1": dist(1), "l2d3": dist(3), "l2d4": dist(4)}
 
 

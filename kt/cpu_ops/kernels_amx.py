@@ -650,14 +650,14 @@ def _int4_ratios(scale, nb0, nb1, srow, rx):
 
 
 @njit(nogil=True, cache=True)
-def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw, pfd=1):
+def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
     """Large-M INT4 for scales of the form s_row * r_g (``_int4_ratios`` gives srow and rx): each
     block pair's nibbles are unpacked to the int8 values r_g * q (exact: |r_g q| <= 126), once per
     M chunk of mc rows, and multiplied as INT8 by the pipelined panel of ``gemm_int8_pipe``; the
     int32 sums over all of K are scaled by xs[m] * s_row[n]. No per-group flush: the same sum as
     ``gemv_int4`` (sum_g s_row r_g sum_k x q), exact up to the fp32 epilogue. While a pair is
-    unpacked, the packed lines of the pair pfd pairs ahead are prefetched into L2 (pfd=2: at the
-    first pair also the next one); pfw as ``gemm_int8_pipe``."""
+    unpacked, the next pair's packed lines are prefetched into L2 (two pairs ahead measured the
+    same in the layer, session 9); pfw as ``gemm_int8_pipe``."""
     g = group_size
     d_pad = xq.shape[1]
     ks = d_pad // 64
@@ -680,13 +680,10 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw, 
             two = b + 1 < nb1
             for q in range(2 if two else 1):
                 lb = b + q - nb0
-                nxt = b + 2 * pfd + q
-                nxt0 = b + 2 + q if pfd == 2 and b == nb0 else nb1
+                nxt = b + 2 + q
                 for j in range(lines):
                     if nxt < nb1:
                         prefetch_l2(data, (nxt * lines + j) * 64)
-                    if nxt0 < nb1:
-                        prefetch_l2(data, (nxt0 * lines + j) * 64)
                     unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
                                          rx, (lb * ng + j // lpg) * 64)
             o1 = blk if two else 0
