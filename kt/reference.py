@@ -277,13 +277,12 @@ def moe_forward(x, topk_ids, topk_weights, w13, w2, skip_mask=None) -> np.ndarra
 
 
 def moe_forward_quantized(x, topk_ids, topk_weights, q13, q2, skip_mask=None,
-                          activations: str = "int8", y_bf16: bool = False) -> np.ndarray:
+                          activations: str = "int8") -> np.ndarray:
     """The MoE forward exactly as a quantised kernel computes it.
 
     q13 / q2: lists of per-expert ``QuantizedWeight`` ([2I, H] and [H, I]). Activations are
     rounded as the scheme's kernels round them (int8 per token, two int8 levels for
-    ``activations="int8x2"``, or bf16) before each GEMM. y_bf16: each expert's down output is
-    rounded to bf16 before the weighted sum (a layer that keeps y in bf16 for bf16 outputs).
+    ``activations="int8x2"``, or bf16) before each GEMM.
     """
     x = to_numpy_f32(x)
     scheme = q13[0].scheme
@@ -292,8 +291,7 @@ def moe_forward_quantized(x, topk_ids, topk_weights, q13, q2, skip_mask=None,
         inter = q13[e].shape[0] // 2
         gu = linear(act_roundtrip(xe, scheme, activations), dequantize(q13[e]))
         h = silu(gu[:, :inter]) * gu[:, inter:]
-        y = linear(act_roundtrip(h, scheme, activations), dequantize(q2[e]))
-        return bf16_round(y) if y_bf16 else y
+        return linear(act_roundtrip(h, scheme, activations), dequantize(q2[e]))
 
     return _moe_combine(x, topk_ids, topk_weights, len(q13), skip_mask, expert)
 

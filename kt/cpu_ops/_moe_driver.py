@@ -68,8 +68,7 @@ A_RSLOT = 24  # int32 [rows]: gathered row -> its slot (t - t0) * K + k
 # per-participant scratch, int8 [nth, bytes each]: gathered activation rows and their scales,
 # gate+up outputs of a whole-expert task (kept in that core's cache)
 A_XGS, A_XSS, A_GUS = 25, 26, 27
-A_YS = 28  # per-participant down outputs (fp32) on their way to bf16 y rows (S_YBF16)
-N_SLOTS = 29
+N_SLOTS = 28
 S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 256, 257, 258, 259, 260, 261, 262, 263
 S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 264, 265, 266, 267, 268, 269
 D_KV13, D_KM13, D_KV2, D_KM2 = 270, 271, 272, 273  # kernel entry points (kernel_address)
@@ -81,9 +80,7 @@ S_RESULT = 281  # a gated job's own int64 [RESULT_WORDS] result (see R_*), its h
 S_PIPE = 282  # 1: pipelined decode allowed (see the module docstring)
 S_GCH = 283   # rows per gate+up kernel call (the A_XGS rows of a participant)
 S_GUS = 284   # rows of a participant's A_GUS (0: whole-expert tasks write the shared gu rows)
-S_YBF16 = 285  # 1: y rows kept in bf16 (bf16 outputs, CPUMoE.y_bf16): half the combine's traffic
-S_DCH = 286    # rows per down kernel call into A_YS (S_YBF16)
-DESC_WORDS = 287  # the words above (a layer's template covers them all)
+DESC_WORDS = 285  # the words above (a layer's template covers them all)
 R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
 RESULT_WORDS = 5
 
@@ -273,7 +270,7 @@ def _put_slot(desc, slot, a):
 
 @njit(cache=True)
 def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13,
-             bpt2, levels, prof, gate, done, result, pipe, ybf16):
+             bpt2, levels, prof, gate, done, result, pipe):
     """Write the per-call words of ``desc``: the array slots (x, out, ids, tw, mask) and the call's
     scalars (one jitted call instead of five numpy ``.ctypes`` look-ups and ~15 item stores)."""
     _put_slot(desc, A_X, x)
@@ -296,7 +293,6 @@ def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_
     desc[S_DONE] = done
     desc[S_RESULT] = result
     desc[S_PIPE] = pipe
-    desc[S_YBF16] = ybf16
 
 
 @njit(cache=True)
@@ -581,8 +577,7 @@ def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16, R, hoff):
 
 @njit(nogil=True, cache=True)
 def _combine_tokens(out, t0, ta, tb, pos, tw, y, H, acc, incremental, R):
-    """Phase 5 for tokens [ta, tb): out[t] = (out[t] if incremental) + sum_k w[t,k] y[row]
-    (y fp32, or bf16 bits)."""
+    """Phase 5 for tokens [ta, tb): out[t] = (out[t] if incremental) + sum_k w[t,k] y[row]."""
     K = pos.shape[1]
     for t in range(ta, tb):
         if incremental:
@@ -599,7 +594,7 @@ def _combine_tokens(out, t0, ta, tb, pos, tw, y, H, acc, incremental, R):
             for lv in range(R):
                 yr = y[r + lv]
                 for j in range(H):
-                    acc[j] += wk * _to_f32(yr[j])
+                    acc[j] += wk * yr[j]
         for j in range(H):
             out[t, j] = _from_f32(acc[j], out[t, j])
 
@@ -662,28 +657,10 @@ def _gate_up(desc, scheme, me, e, r0, r1, nb0, nb1, small, whole, xg, xs, rslot,
 
 
 @njit(nogil=True, cache=True)
-def _down_rows(desc, scheme, me, e, r0, r1, nb0, nb1, small, hq, hs, y, y16, ybf16):
-    """Expert e's down GEMM of gathered rows [r0, r1), blocks [nb0, nb1), into y's rows: fp32
-    straight into y, or (ybf16) through the participant's A_YS rows, S_DCH at a time, rounded
-    into the bf16 rows y16 while in cache."""
-    if not ybf16:
-        _gemm_call(desc, scheme, 1, e, _rows(hq, r0, r1, np.int8), _seg(hs, r0, r1, np.float32),
-                   _rows(y, r0, r1, np.float32), nb0, nb1, small)
-        return
-    dch = desc[S_DCH]
-    n2 = y16.shape[1]
-    ys = _part(desc, A_YS, me, dch, n2, np.float32)
-    c0 = 16 * nb0
-    c1 = 16 * nb1
-    for a0 in range(r0, r1, dch):
-        a1 = min(r1, a0 + dch)
-        _gemm_call(desc, scheme, 1, e, _rows(hq, a0, a1, np.int8), _seg(hs, a0, a1, np.float32),
-                   _rows(ys, 0, a1 - a0, np.float32), nb0, nb1, small)
-        for r in range(a0, a1):
-            src = ys[r - a0]
-            dst = y16[r]
-            for j in range(c0, c1):
-                dst[j] = f32_to_bf16_bits(src[j])
+def _down_rows(desc, scheme, e, r0, r1, nb0, nb1, small, hq, hs, y):
+    """Expert e's down GEMM of gathered rows [r0, r1), blocks [nb0, nb1), into y's rows."""
+    _gemm_call(desc, scheme, 1, e, _rows(hq, r0, r1, np.int8), _seg(hs, r0, r1, np.float32),
+               _rows(y, r0, r1, np.float32), nb0, nb1, small)
 
 
 @njit(nogil=True, cache=True)
@@ -730,8 +707,6 @@ def moe_job(nth, jctrl, desc):
     hq = _arr2(desc, A_HQ, np.int8)
     hs = _arr1(desc, A_HS, np.float32)
     y = _arr2(desc, A_Y, np.float32)
-    y16 = _arr2(desc, A_Y, np.uint16)  # the same buffer's first half, rows of n2 bf16 (S_YBF16)
-    ybf16 = desc[S_YBF16] != 0
     acc = _arr2(desc, A_ACC, np.float32)[me]
     dep = _arr1(desc, A_DEP, np.int64)
     rslot = _arr1(desc, A_RSLOT, np.int32)
@@ -831,8 +806,7 @@ def moe_job(nth, jctrl, desc):
                             prof[3, 0] += c_act
                             tc += c_act
                     else:
-                        _down_rows(desc, scheme, me, e, r0, r1, nb0, nb1, small, hq, hs, y, y16,
-                                   ybf16)
+                        _down_rows(desc, scheme, e, r0, r1, nb0, nb1, small, hq, hs, y)
                     if ph == 2 and which == 1:
                         if pa != 0:  # book the down task under phase 4
                             c_end = cycles()
@@ -853,8 +827,7 @@ def moe_job(nth, jctrl, desc):
                         if pa != 0:
                             c_down = cycles()
                             prof[2, 0] += c_down - tc
-                        _down_rows(desc, scheme, me, e, r0, r1, np.int64(0), nb2, small, hq, hs, y,
-                                   y16, ybf16)
+                        _down_rows(desc, scheme, e, r0, r1, np.int64(0), nb2, small, hq, hs, y)
                         if pa != 0:
                             tc = cycles()
                             prof[4, 0] += tc - c_down
@@ -866,9 +839,7 @@ def moe_job(nth, jctrl, desc):
                 else:
                     ta = t0 + i * TOKEN_BLOCK
                     tb = min(t1, ta + TOKEN_BLOCK)
-                    if o_bf16 and ybf16:
-                        _combine_tokens(o16, t0, ta, tb, pos, tw, y16, H, acc, incremental, R)
-                    elif o_bf16:
+                    if o_bf16:
                         _combine_tokens(o16, t0, ta, tb, pos, tw, y, H, acc, incremental, R)
                     else:
                         _combine_tokens(o32, t0, ta, tb, pos, tw, y, H, acc, incremental, R)

@@ -306,11 +306,6 @@ class CPUMoE:
         # Decode's down tasks wait per expert instead of behind all-thread barriers
         # (_moe_driver's "pipelined decode"). A tuning knob, not needed for correctness.
         self.pipelined_decode = True
-        # bf16 outputs: keep y (each expert's down output) in bf16, as the GPU path does: the down
-        # GEMM writes the thread's own fp32 rows and rounds them into y, and the combine reads
-        # half the bytes. Rounding y adds about the output's own rounding error. Off until the
-        # device measures it (a tuning knob; fp32 outputs always keep fp32 y).
-        self.y_bf16 = False
         self._all_cpu = np.ones(E, np.uint8)
         self._prof: np.ndarray | None = None  # set by profile(): [threads, phases, 2] cycles
         self._wdesc = self._weight_desc()
@@ -452,15 +447,13 @@ class CPUMoE:
         nth = pool.num_threads
         xb = hp * np.dtype(act_dtype).itemsize
         gch, gus = _call_rows(xb, n13)
-        dch = _down_call_rows(n2)
         for slot, name, nbytes in ((drv.A_XGS, "moe.xgs", gch * xb), (drv.A_XSS, "moe.xss", gch * 4),
-                                   (drv.A_GUS, "moe.gus", max(gus * n13 * 4, 64)),
-                                   (drv.A_YS, "moe.ys", dch * n2 * 4)):
+                                   (drv.A_GUS, "moe.gus", max(gus * n13 * 4, 64))):
             nbytes = -(-nbytes // 64) * 64
             bufs[slot] = pool.scratch(name, nth * nbytes, np.int8).reshape(nth, nbytes)
         d = self._wdesc.copy()
         d[drv.S_K] = K
-        d[drv.S_GCH], d[drv.S_GUS], d[drv.S_DCH] = gch, gus, dch
+        d[drv.S_GCH], d[drv.S_GUS] = gch, gus
         for slot, a in bufs.items():
             _put(d, slot, a.view(np.int8) if slot in (drv.A_XG, drv.A_HQ) else a)
         if len(self._tmpl) > 16:
@@ -645,8 +638,7 @@ class CPUMoE:
             drv.put_call(desc, xs, os_, is_, ws, mask, T, C, nch, int(bool(incremental)),
                          int(xkind == "bf16"), int(okind == "bf16"), self.gemv_max, bpt13, bpt2,
                          self.levels, 0 if prof is None else prof.ctypes.data, start, done,
-                         0 if words is None else words.ctypes.data, int(self.pipelined_decode),
-                         int(bool(self.y_bf16) and okind == "bf16"))
+                         0 if words is None else words.ctypes.data, int(self.pipelined_decode))
             return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self, words))
 
         return launch
@@ -683,12 +675,6 @@ def _call_rows(xbytes: int, n13: int) -> tuple[int, int]:
     else:
         gus = 0
     return gch, gus
-
-
-def _down_call_rows(n2: int) -> int:
-    """Rows per down kernel call into a participant's fp32 rows on their way to bf16 y
-    (``CPUMoE.y_bf16``): 2 MiB of them, a multiple of 32."""
-    return max(32, (2 << 20) // (n2 * 4) // 32 * 32)
 
 
 def _cap(n: int) -> int:

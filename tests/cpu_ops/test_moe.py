@@ -247,54 +247,6 @@ def test_gathered_calls_are_identical(scheme, kind, pool, monkeypatch):
         check_tight(m, x, ids, w, ref_out, mask=gmask, what=f"{kw}", whole=1e-3)
 
 
-@pytest.mark.parametrize("scheme,kind", [(s, "double") for s in SCHEMES] + BEST)
-def test_bf16_y_rows(scheme, kind, pool, monkeypatch):
-    """CPUMoE.y_bf16 (bf16 outputs): the down tasks compute y into the thread's fp32 rows (S_DCH
-    at a time) and round them into bf16 y rows, which the combine reads. The y rows are exactly
-    the fp32 ones rounded (same kernels, same sums); the output matches the reference with y
-    rounded; fp32 outputs are untouched by the knob. Whole-expert and split tasks, decode."""
-    import torch
-
-    from kt.cpu_ops import moe as moe_mod
-
-    base, kern, rng, gmask = _masked_setup(scheme, kind, pool, 31, [1, 6])
-    E, H = base.num_experts, base.hidden
-    n2 = base.w2.n_pad
-    for T, bpt, rows in ((120, (64, 64), "default"), (120, (4, 4), "default"),
-                         (120, (64, 64), (32, 32)), (3, (2, 3), "default")):
-        x = rng.standard_normal((T, H), dtype=np.float32)
-        ids, w = routing(rng, T, E, 3)
-        ids[:, 0] = np.where(gmask[5], ids[:, 0], 5)
-        xb = torch.from_numpy(x).to(torch.bfloat16)
-        if rows != "default":  # several gate+up and down calls per expert: 32-row chunks
-            monkeypatch.setattr(moe_mod, "_call_rows", lambda xb_, n13, r=rows: r)
-            monkeypatch.setattr(moe_mod, "_down_call_rows", lambda n2_: 32)
-        on, off = [CPUMoE(base.w13, base.w2, pool=pool, kernels=kern) for _ in range(2)]
-        on.y_bf16 = True
-        for m in (on, off):
-            m.blocks_per_task = bpt
-        nrows = int(((ids >= 0) & ~gmask[np.clip(ids, 0, None)]).sum())
-        o_off = off(xb, ids, w, gpu_mask=gmask)
-        buf = pool.scratch("moe.y", nrows * n2, np.float32)
-        y32 = buf[:nrows * n2].reshape(nrows, n2).copy()
-        o_on = on(xb, ids, w, gpu_mask=gmask)
-        y16 = buf.view(np.uint16)[:nrows * n2].reshape(nrows, n2)
-        assert np.array_equal(y16[:, :H], ref.f32_to_bf16_bits(y32[:, :H])), (T, bpt, rows)
-        assert o_on.dtype == torch.bfloat16
-        q13 = [unpack(on.w13.expert(e)) for e in range(E)]
-        q2 = [unpack(on.w2.expert(e)) for e in range(E)]
-        want = ref.moe_forward_quantized(xb.float().numpy(), ids, w, q13, q2, skip_mask=gmask,
-                                         activations=on.activations, y_bf16=True)
-        o = o_on.float().numpy().astype(np.float64)
-        # the output's own bf16 rounding (~1.1e-3 rms) and the rare requantisation flip
-        assert ref.relative_error(o, want) <= 3e-3, (T, bpt, rows)
-        d = np.linalg.norm(o - want, axis=1)
-        assert (d <= 5e-3 * np.linalg.norm(want, axis=1) + 1e-6).all(), (T, bpt, rows)
-        assert not torch.equal(o_on, o_off) or T < 10  # the rounding of y shows at T=120
-        assert np.array_equal(on(x, ids, w, gpu_mask=gmask), off(x, ids, w, gpu_mask=gmask))
-        monkeypatch.undo()
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_pipelined_decode_is_identical(scheme, pool):
     """Pipelined decode (down tasks wait per expert; the last gate+up task of an expert computes its
