@@ -43,11 +43,23 @@ def _layers(scheme, shape, pool_bytes, pool, **kw):
     return [CPUMoE(a, b, pool=pool, **kw) for a, b in insts]
 
 
+X_BF16 = [False]  # --x-bf16: the layer's input (and output) in bf16, as a model serves it
+
+
+def _x(rng, T, H):
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    if X_BF16[0]:
+        import torch
+
+        return torch.from_numpy(x).to(torch.bfloat16)
+    return x
+
+
 def profile(layers, T, reps, rng, shape):
     E, K, H, I = SHAPES[shape]
     pool = layers[0].pool
     prof = np.zeros((pool.num_threads, drv.PHASES, 2), np.int64)
-    x = rng.standard_normal((T, H), dtype=np.float32)
+    x = _x(rng, T, H)
     for i in range(2):  # warm-up calls, not profiled
         ids, w = routing(rng, T, E, K)
         layers[i % len(layers)](x, ids, w)
@@ -76,7 +88,7 @@ def interleaved(variants, T, reps, rng, shape):
     rotation j * n / len(variants) copies later, so no call finds the copy the previous call
     just read in the cache (which biased small-T comparisons)."""
     E, K, H, I = SHAPES[shape]
-    x = rng.standard_normal((T, H), dtype=np.float32)
+    x = _x(rng, T, H)
     ts = {n: [] for n in variants}
     n_copies = min(len(v) for v in variants.values())
     off = max(1, n_copies // len(variants))
@@ -325,9 +337,12 @@ def main(argv=None):
     ap.add_argument("--variant-names", default="",
                     help="comma list of the variants to run besides default (empty: all)")
     ap.add_argument("--no-gemm", action="store_true", help="skip the one-core GEMM part")
+    ap.add_argument("--x-bf16", action="store_true",
+                    help="bf16 input and output (torch tensors), as a model serves the layer")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     a.variant_T = [int(t) for t in a.variant_T.split(",") if t]
+    X_BF16[0] = a.x_bf16
     rng = np.random.default_rng(0)
     rows = []
     variant = isa.detect().variant

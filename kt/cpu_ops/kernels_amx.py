@@ -681,11 +681,16 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
             for q in range(2 if two else 1):
                 lb = b + q - nb0
                 nxt = b + 2 + q
+                ro = lb * ng * 64        # this group's ratios in rx, stepped without a division
+                jg = 0                   # (j // lpg compiled to a div per line)
                 for j in range(lines):
                     if nxt < nb1:
                         prefetch_l2(data, (nxt * lines + j) * 64)
-                    unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
-                                         rx, (lb * ng + j // lpg) * 64)
+                    unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro)
+                    jg += 1
+                    if jg == lpg:
+                        jg = 0
+                        ro += 64
             o1 = blk if two else 0
             so = (b - nb0) * 16
             for mp in range(mc0, mc1, 32):

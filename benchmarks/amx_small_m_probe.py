@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Where the AMX INT4 GEMM's time goes at the MoE layer's small per-expert M (qwen3 gate+up: N=1536,
+K=2048; T=512 gives ~32 rows per expert, T=2048 ~128), against the INT8 GEMM on the same rows.
+
+Every thread (1 or all cores) calls one kernel on its own weight copies in turn (cold: the copies of
+all threads together are >= --pool-gb), timed as calls per wall second over all threads. Parts:
+``int8`` (``gemm_int8``), ``int4`` (``gemm_int4``: ratio check + ratio kernel), ``int4_pre`` (the
+ratio kernel with the ratios computed once beforehand), ``unpack`` (only the nibble unpacking of
+every block pair with its next-pair prefetch, as the ratio kernel does it, no tiles; ``unpack_div``
+the same with each line's group found by a division, as before session 10) and ``ratios`` (only
+``_int4_ratios``); ``*_warm``: the same on the thread's first copy every call. With 16 threads the
+short calls (``ratios``) mostly time the GIL hand-offs between calls.
+Rounds interleave the parts; min and median us per call and GB/s of weights per thread.
+
+Device:  PYTHONPATH=. python3 benchmarks/amx_small_m_probe.py --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+from numba import njit
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kt import reference as R  # noqa: E402
+from kt.cpu_ops import isa  # noqa: E402
+from kt.cpu_ops.packing import pack  # noqa: E402
+
+
+def kernels():
+    from kt.cpu_ops import kernels_amx as K
+    from kt.cpu_ops._amx import prefetch_l2, unpack_int4_line_mul
+
+    @njit(nogil=True)
+    def int8(xq, xs, data, scale, wsum, out):
+        K.gemm_int8(xq, xs, data, scale, wsum, out, 0, data.shape[0])
+
+    @njit(nogil=True)
+    def int4(xq, xs, data, scale, out):
+        K.gemm_int4(xq, xs, data, scale, 64, out, 0, data.shape[0])
+
+    @njit(nogil=True)
+    def int4_pre(xq, xs, data, srow, rx, out):
+        K.gemm_int4_ratio(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], K.default_mc(xq.shape[1]), True)
+
+    @njit(nogil=True)
+    def unpack(data, rx, bs, div):
+        # the ratio kernel's unpacking of every block pair, its next-pair prefetch included;
+        # div: each line's group found as j // lpg (the kernel before session 10)
+        nb, lines = data.shape[0], data.shape[1]
+        ng = rx.shape[0] // (nb * 64)
+        lpg = lines // ng
+        blk = lines * 128
+        for b in range(0, nb, 2):
+            for q in range(2):
+                nxt = b + 2 + q
+                ro = (b + q) * ng * 64
+                jg = 0
+                for j in range(lines):
+                    if nxt < nb:
+                        prefetch_l2(data, (nxt * lines + j) * 64)
+                    if div:
+                        unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
+                                             rx, ((b + q) * ng + j // lpg) * 64)
+                    else:
+                        unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro)
+                        jg += 1
+                        if jg == lpg:
+                            jg = 0
+                            ro += 64
+
+    @njit(nogil=True)
+    def ratios(scale, srow, rx):
+        K._int4_ratios(scale, 0, scale.shape[0], srow, rx)
+
+    return K, int8, int4, int4_pre, unpack, ratios
+
+
+def run_threads(nthreads, fn_of_thread, calls):
+    """Each thread calls fn_of_thread(t)(i) for i < calls; returns wall seconds."""
+    start = threading.Barrier(nthreads + 1)
+    done = []
+
+    errors = []
+
+    def work(t):
+        f = fn_of_thread(t)
+        start.wait()
+        try:
+            for i in range(calls):
+                f(i)
+        except Exception as e:  # surfaced below, in the calling thread
+            errors.append(e)
+        done.append(time.perf_counter())
+
+    ths = [threading.Thread(target=work, args=(t,)) for t in range(nthreads)]
+    for th in ths:
+        th.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for th in ths:
+        th.join()
+    if errors:
+        raise errors[0]
+    return max(done) - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--M", default="32,128")
+    ap.add_argument("--threads", default="1,16")
+    ap.add_argument("--pool-gb", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if "amx" not in isa.runnable_variants():
+        sys.exit("needs a host that runs AMX")
+    K, f8, f4, f4p, funp, frat = kernels()
+    n, d = 1536, 2048
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((n, d), dtype=np.float32) / np.float32(np.sqrt(d))
+    p8, p4 = pack(w, "int8"), pack(w, "int4", 64)
+    nb = p4.num_blocks
+    srow = K.empty_line(nb * 16, np.float32)
+    rx = K.empty_line(nb * p4.scale.shape[1] * 64, np.int8)
+    assert K._int4_ratios(p4.scale, 0, nb, srow, rx)
+    thread_counts = [int(t) for t in a.threads.split(",")]
+    nmax = max(thread_counts)
+    per = max(4, int(a.pool_gb * 2**30 / (p8.data.nbytes + p4.data.nbytes) / nmax))
+    t0 = time.perf_counter()
+    c8 = [[K.empty_line(p8.data.size, np.int8).reshape(p8.data.shape) for _ in range(per)] for _ in range(nmax)]
+    c4 = [[K.empty_line(p4.data.size, np.uint8).reshape(p4.data.shape) for _ in range(per)] for _ in range(nmax)]
+    for t in range(nmax):
+        for i in range(per):
+            c8[t][i][...] = p8.data
+            c4[t][i][...] = p4.data
+    print(f"{nmax} x {per} copies of each weight in {time.perf_counter() - t0:.1f} s", flush=True)
+    res = dict(shape=[n, d], copies_per_thread=per, rows=[])
+    for m in [int(v) for v in a.M.split(",")]:
+        x = rng.standard_normal((m, d), dtype=np.float32)
+        xq, xs = R.quantize_act(x)
+        outs = [np.empty((m, p8.n_pad), np.float32) for _ in range(nmax)]
+        bss = [K.empty_line(2 * p4.data.shape[1] * 128, np.int8) for _ in range(nmax)]
+        srows = [srow.copy() for _ in range(nmax)]
+        rxs = [rx.copy() for _ in range(nmax)]
+        parts = {
+            "int8": (p8.data.nbytes, lambda t: lambda i: f8(xq, xs, c8[t][i % per], p8.scale, p8.wsum, outs[t])),
+            "int4": (p4.data.nbytes, lambda t: lambda i: f4(xq, xs, c4[t][i % per], p4.scale, outs[t])),
+            "int4_pre": (p4.data.nbytes, lambda t: lambda i: f4p(xq, xs, c4[t][i % per], srows[t], rxs[t],
+                                                                 outs[t])),
+            "unpack": (p4.data.nbytes, lambda t: lambda i: funp(c4[t][i % per], rxs[t], bss[t], False)),
+            "unpack_div": (p4.data.nbytes, lambda t: lambda i: funp(c4[t][i % per], rxs[t], bss[t], True)),
+            "ratios": (0, lambda t: lambda i: frat(p4.scale, srows[t], rxs[t])),
+            # warm: the thread's first copy every call
+            "int8_warm": (p8.data.nbytes, lambda t: lambda i: f8(xq, xs, c8[t][0], p8.scale, p8.wsum, outs[t])),
+            "int4_pre_warm": (p4.data.nbytes, lambda t: lambda i: f4p(xq, xs, c4[t][0], srows[t], rxs[t],
+                                                                      outs[t])),
+            "unpack_warm": (p4.data.nbytes, lambda t: lambda i: funp(c4[t][0], rxs[t], bss[t], False)),
+        }
+        for nt in thread_counts:
+            for f in parts.values():  # compile and warm
+                run_threads(nt, f[1], 2)
+            ts = {k: [] for k in parts}
+            for _ in range(a.rounds):
+                for k, (_, f) in parts.items():
+                    ts[k].append(run_threads(nt, f, per) / per)
+            for k, v in ts.items():
+                nbytes = parts[k][0]
+                row = dict(M=m, threads=nt, part=k, min_us=min(v) * 1e6, med_us=statistics.median(v) * 1e6,
+                           gbs_per_thread=nbytes / min(v) / 1e9 if nbytes else None,
+                           tops_per_thread=2 * m * n * d / min(v) / 1e12 if k.startswith("int") else None)
+                res["rows"].append(row)
+                extra = (f"  {row['gbs_per_thread']:6.2f} GB/s/thread" if nbytes else "") + \
+                    (f"  {row['tops_per_thread']:5.3f} TOPS/thread" if row["tops_per_thread"] else "")
+                print(f"M={m:4d} thr={nt:2d} {k:9s} min {row['min_us']:8.1f} us  med {row['med_us']:8.1f}{extra}",
+                      flush=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "amx_small_m_probe.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
