@@ -76,6 +76,8 @@ def _to_numpy_2d(name: str, a, dtypes: tuple[str, ...]):
         if a.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(a.shape)}")
         t = a.detach()
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor (it has no data)")
         if t.device.type != "cpu":
             t = t.cpu()
         if t.dtype == torch.bfloat16:
@@ -95,6 +97,8 @@ def _to_numpy_2d(name: str, a, dtypes: tuple[str, ...]):
 def _routing(name_ids, ids, name_w, w, T, E):
     def arr(a):
         if _is_torch(a):
+            if a.device.type == "meta":
+                raise ValueError("a meta tensor (it has no data)")
             return a.detach().cpu().numpy() if str(a.dtype) != "torch.bfloat16" else a.detach().cpu().float().numpy()
         if isinstance(a, np.ndarray):
             return a
@@ -102,12 +106,12 @@ def _routing(name_ids, ids, name_w, w, T, E):
 
     try:
         ids_np = arr(ids)
-    except TypeError as exc:
-        raise TypeError(f"{name_ids}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name_ids}: {exc}") from None
     try:
         w_np = arr(w)
-    except TypeError as exc:
-        raise TypeError(f"{name_w}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name_w}: {exc}") from None
     if ids_np.ndim != 2 or ids_np.shape[0] != T:
         raise ValueError(f"{name_ids} must be [T={T}, K], got shape {ids_np.shape}")
     if ids_np.dtype.kind not in "iu":

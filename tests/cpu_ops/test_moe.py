@@ -378,6 +378,12 @@ def test_bad_input_errors(pool):
         m(np.zeros((2, H), np.int32), ids, w)
     with pytest.raises(TypeError, match="x must be"):
         m([[0.0] * H] * 2, ids, w)
+    import torch
+
+    with pytest.raises(ValueError, match="x is a meta tensor"):
+        m(torch.empty(2, H, device="meta"), ids, w)
+    with pytest.raises(ValueError, match="topk_weights: a meta tensor"):
+        m(x, ids, torch.empty(2, 3, device="meta"))
     with pytest.raises(ValueError, match=r"topk_ids must be in \[-1, 8\)"):
         m(x, np.full((2, 3), E), w)
     with pytest.raises(ValueError, match="topk_ids must be in"):
