@@ -86,9 +86,7 @@ def kernels():
 def run_threads(nthreads, fn_of_thread, calls):
     """Each thread calls fn_of_thread(t)(i) for i < calls; returns wall seconds."""
     start = threading.Barrier(nthreads + 1)
-    done = []
-
-    errors = []
+    done, errors = [], []
 
     def work(t):
         f = fn_of_thread(t)

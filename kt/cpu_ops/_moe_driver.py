@@ -357,7 +357,8 @@ def _plan(t0, t1, ids, mask, pos, rslot, offs, order, tasks13, tasks2, nb13, nb2
     activations and down GEMM: phases 3 and 4 have no tasks).
 
     pos[t - t0, k]: first of the R gathered rows of slot (t, k), or -1; rslot[r]: the slot
-    (t - t0) * K + k of gathered row r; offs[e]..offs[e+1]: rows of expert e (R per slot: the levels of two-level activations are consecutive rows). Ids
+    (t - t0) * K + k of gathered row r; offs[e]..offs[e+1]: rows of expert e (R per slot: the
+    levels of two-level activations are consecutive rows). Ids
     outside [0, E) are skipped like -1 (a stream-gated job's ids were never checked in Python);
     bad counts those outside [-1, E).
     """

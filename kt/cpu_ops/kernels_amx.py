@@ -419,8 +419,8 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, pfb, l2, pfw, bf, xs, scale):
 def gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, mc, pfb, l2, pfw):
     """Large-M INT8, software-pipelined (``_pipe_panel``), whole K per panel, mc rows per M chunk;
     pfb: L1 prefetch distance of cold B (k-steps, 0: none); l2: prefetch the block pair l2
-    pairs ahead into L2 while this one is computed (0: none; 2 by default); pfw: prefetch the output lines for writing. Same result
-    as ``gemv_int8``."""
+    pairs ahead into L2 while this one is computed (0: none; 2 by default); pfw: prefetch the
+    output lines for writing. Same result as ``gemv_int8``."""
     _gemm_pipe(xq, data, out, nb0, nb1, mc, pfb, l2, pfw, False, xs, scale)
 
 
@@ -433,9 +433,9 @@ def gemm_bf16_pipe(xb, data, out, nb0, nb1, mc, pfb, l2, pfw):
 
 @njit(nogil=True, cache=True)
 def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
-    """Large-M INT8 (same contract as ``gemv_int8``): the pipelined 2x2-tile kernel with the next
-    block pair prefetched into L2 (device run 2, 16 threads, qwen3 layer: 16 % faster than the
-    blocked kernel at T=512, 8 % at T=2048)."""
+    """Large-M INT8 (same contract as ``gemv_int8``): the pipelined 2x2-tile kernel with the block
+    pair two ahead prefetched into L2 (device run 2, 16 threads, qwen3 layer: the pipelined kernel
+    16 % faster than the blocked one at T=512, 8 % at T=2048; two ahead instead of one: session 9)."""
     gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 0, 2, True)
 
 

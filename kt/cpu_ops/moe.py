@@ -667,8 +667,8 @@ def tsc_hz() -> float:
 
 def _call_rows(xbytes: int, n13: int) -> tuple[int, int]:
     """(gate+up rows per kernel call, rows of a participant's gate+up outputs), multiples of 32.
-    A call's gathered activations are about 1 MiB at most (the AMX kernels' M chunk is 512 KiB,
-    so larger experts lose nothing by the split), and its gate+up outputs stay in the
+    A call's gathered activations are about 1 MiB at most (the AMX kernels' M chunk is at most
+    1 MiB of A, so larger experts lose nothing by the split), and its gate+up outputs stay in the
     participant's scratch when 2 MiB hold 32 rows or more (a whole-expert task's activations
     then read them from its own cache; else from the shared rows)."""
     gch = max(32, (1 << 20) // xbytes // 32 * 32)
