@@ -435,6 +435,14 @@ def main(argv=None):
             for L in nopipe:
                 L.pipelined_decode = False
             vars_["nopipe"] = nopipe
+            # the last experts of a whole-expert chunk split into part tasks (default: as many
+            # experts as threads, gate+up in 4 parts): off, other part counts, twice the experts
+            for name, tail, parts in (("tail_off", None, 1), ("tailp2", None, 2), ("tailp8", None, 8),
+                                      ("tail2n", 2 * pool.num_threads, 4)):
+                tl = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
+                for L in tl:
+                    L.tail_experts, L.tail_parts = tail, parts
+                vars_[name] = tl
             if a.variant_names:
                 keep = set(a.variant_names.split(",")) | {"default"}
                 vars_ = {n: v for n, v in vars_.items() if n in keep}

@@ -33,6 +33,9 @@ Pipelined decode (desc[S_PIPE] != 0, tasks split within experts and every expert
 marks it ready (per-expert words in A_DEP), and a down task waits only for its own expert. Two
 all-thread barriers (and the waits of threads idle behind the slowest gate+up and act tasks) go,
 and down tasks stream weights while other experts' gate+up tasks are still running.
+A fused chunk runs its last S_TAIL experts (the smallest, taken last) in the same pipelined order:
+split into gate+up and down part tasks (about S_TAILP and S_TAILP / 2 of them) listed after the
+whole experts, so the threads run out of work closer together than one whole expert apart.
 
 The GEMM micro-kernels (kt/cpu_ops/README.md contract) reach this code as addresses of their
 compiled entry points in the descriptor (``icall8``/``icall5``: an indirect call, so their IR is
@@ -80,7 +83,9 @@ S_RESULT = 281  # a gated job's own int64 [RESULT_WORDS] result (see R_*), its h
 S_PIPE = 282  # 1: pipelined decode allowed (see the module docstring)
 S_GCH = 283   # rows per gate+up kernel call (the A_XGS rows of a participant)
 S_GUS = 284   # rows of a participant's A_GUS (0: whole-expert tasks write the shared gu rows)
-DESC_WORDS = 285  # the words above (a layer's template covers them all)
+S_TAIL = 285  # whole-expert chunks: this many of the smallest experts are split into part tasks
+S_TAILP = 286  # ... their gate+up into about this many tasks, their down into half as many
+DESC_WORDS = 287  # the words above (a layer's template covers them all)
 R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
 RESULT_WORDS = 5
 
@@ -270,7 +275,7 @@ def _put_slot(desc, slot, a):
 
 @njit(cache=True)
 def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13,
-             bpt2, levels, prof, gate, done, result, pipe):
+             bpt2, levels, prof, gate, done, result, pipe, tail, tailp):
     """Write the per-call words of ``desc``: the array slots (x, out, ids, tw, mask) and the call's
     scalars (one jitted call instead of five numpy ``.ctypes`` look-ups and ~15 item stores)."""
     _put_slot(desc, A_X, x)
@@ -293,6 +298,8 @@ def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_
     desc[S_DONE] = done
     desc[S_RESULT] = result
     desc[S_PIPE] = pipe
+    desc[S_TAIL] = tail
+    desc[S_TAILP] = tailp
 
 
 @njit(cache=True)
@@ -350,11 +357,23 @@ def _blocks_per_task(nblocks, n_active, nthreads, fixed):
 
 
 @njit(nogil=True, cache=True)
+def _part_blocks(nblocks, parts):
+    """Row blocks per task for about ``parts`` tasks over nblocks, in multiples of 4 blocks."""
+    b = ((nblocks + parts - 1) // parts + 3) // 4 * 4
+    return max(1, min(b, nblocks))
+
+
+@njit(nogil=True, cache=True)
 def _plan(t0, t1, ids, mask, pos, rslot, offs, order, tasks13, tasks2, nb13, nb2, nth, bpt13, bpt2,
-          R):
+          R, tail, tailp):
     """Bucket (token, slot) pairs of tokens [t0, t1) by expert. Returns (rows, n13, n2, fused, bad):
     fused when every gate+up task covers a whole expert (then it also computes the expert's
-    activations and down GEMM: phases 3 and 4 have no tasks).
+    activations and down GEMM: phases 3 and 4 have no tasks). In a fused chunk the last ``tail``
+    experts of the order (the smallest, taken last) are split instead, their gate+up into about
+    ``tailp`` tasks and their down into half as many, listed after the whole experts: tasks13
+    holds n13 gate+up tasks, whole or part, and tasks2 the n2 down tasks of the split experts only
+    (the pipelined order, see moe_job). The last round of whole experts left threads idle for up
+    to a task's length behind the slowest one; parts end closer together.
 
     pos[t - t0, k]: first of the R gathered rows of slot (t, k), or -1; rslot[r]: the slot
     (t - t0) * K + k of gathered row r; offs[e]..offs[e+1]: rows of expert e (R per slot: the
@@ -407,20 +426,32 @@ def _plan(t0, t1, ids, mask, pos, rslot, offs, order, tasks13, tasks2, nb13, nb2
     b13 = _blocks_per_task(nb13, n_act, nth, bpt13)
     b2 = _blocks_per_task(nb2, n_act, nth, bpt2)
     fused = b13 >= nb13
+    split = 0
+    if fused and tailp > 1:
+        # at most half the experts, and only as many part tasks as tasks13 has room for
+        split = min(tail, n_act // 2, (tasks13.shape[0] - n_act) // max(1, tailp - 1))
+    if split > 0:
+        b13 = _part_blocks(nb13, tailp)
+        b2 = _part_blocks(nb2, max(1, tailp // 2))
+        if b13 >= nb13:  # too few blocks to split: a "part" would be a whole expert, which never
+            split = 0    # releases down tasks (moe_job), so keep whole experts
     n13 = 0
     n2 = 0
     for a in range(n_act):
         e = order[a]
-        for b0 in range(0, nb13, b13):
+        whole = fused and a < n_act - split
+        step13 = nb13 if whole else b13
+        for b0 in range(0, nb13, step13):
             tasks13[n13, 0] = e
             tasks13[n13, 1] = b0
-            tasks13[n13, 2] = min(b0 + b13, nb13)
+            tasks13[n13, 2] = min(b0 + step13, nb13)
             n13 += 1
-        for b0 in range(0, nb2, b2):
-            tasks2[n2, 0] = e
-            tasks2[n2, 1] = b0
-            tasks2[n2, 2] = min(b0 + b2, nb2)
-            n2 += 1
+        if not whole:
+            for b0 in range(0, nb2, b2):
+                tasks2[n2, 0] = e
+                tasks2[n2, 1] = b0
+                tasks2[n2, 2] = min(b0 + b2, nb2)
+                n2 += 1
     return run, n13, n2, fused, bad
 
 
@@ -735,7 +766,8 @@ def moe_job(nth, jctrl, desc):
                 if ph == 0:
                     rows, n13, n2, fused, bad = _plan(t0, t1, ids, mask, pos, rslot, offs, order,
                                                       tasks13, tasks2, nb13, nb2, nth,
-                                                      desc[S_BPT13], desc[S_BPT2], R)
+                                                      desc[S_BPT13], desc[S_BPT2], R,
+                                                      desc[S_TAIL], desc[S_TAILP])
                     jctrl[gb + G_BAD] += bad
                     nt = t1 - t0
                     # the plan phase's own ntasks word carries the chunk's row count
@@ -749,8 +781,10 @@ def moe_job(nth, jctrl, desc):
                             _quantise_tokens(x32, t0, t0, t1, pos, H, xg, xs, acc, bf16, R)
                         nq = 0
                     jctrl[base + PHASE_WORDS + 2 * CTRL_STRIDE] = nq
-                    pipe = (desc[S_PIPE] != 0 and not fused and rows > 0
-                            and (offs[order[0] + 1] - offs[order[0]]) * I <= PIPE_ACT_MAX)
+                    # a fused chunk with split experts (n2 > 0) runs its parts in the same order
+                    pipe = (fused and n2 > 0) or (
+                        desc[S_PIPE] != 0 and not fused and rows > 0
+                        and (offs[order[0] + 1] - offs[order[0]]) * I <= PIPE_ACT_MAX)
                     if pipe:
                         _arm_pipeline(dep, tasks13, n13)
                     # pipelined: phase 2 runs the down tasks too, after the gate+up tasks
@@ -813,9 +847,9 @@ def moe_job(nth, jctrl, desc):
                             c_end = cycles()
                             prof[4, 0] += c_end - tc
                             tc = c_end
-                    elif ph == 2 and n > n13c and atomic_add(dep, e * DEP_STRIDE, -1) == 1:
-                        # pipelined decode: the expert's last gate+up task computes its
-                        # activations and releases its down tasks
+                    elif ph == 2 and n > n13c and not whole and atomic_add(dep, e * DEP_STRIDE, -1) == 1:
+                        # pipelined (decode, or a fused chunk's split experts): the expert's last
+                        # gate+up task computes its activations and releases its down tasks
                         if pa != 0:
                             c_act = cycles()
                             prof[2, 0] += c_act - tc

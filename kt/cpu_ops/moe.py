@@ -310,6 +310,11 @@ class CPUMoE:
         # Decode's down tasks wait per expert instead of behind all-thread barriers
         # (_moe_driver's "pipelined decode"). A tuning knob, not needed for correctness.
         self.pipelined_decode = True
+        # Prefill with whole-expert tasks: the last `tail_experts` experts of a chunk (None: as
+        # many as the pool has threads) are split into about `tail_parts` gate+up tasks and half
+        # as many down tasks (_moe_driver's fused chunks). Tuning knobs (tail_parts <= 1: off).
+        self.tail_experts: int | None = None
+        self.tail_parts = 4
         self._all_cpu = np.ones(E, np.uint8)
         self._prof: np.ndarray | None = None  # set by profile(): [threads, phases, 2] cycles
         self._wdesc = self._weight_desc()
@@ -642,7 +647,9 @@ class CPUMoE:
             drv.put_call(desc, xs, os_, is_, ws, mask, T, C, nch, int(bool(incremental)),
                          int(xkind == "bf16"), int(okind == "bf16"), self.gemv_max, bpt13, bpt2,
                          self.levels, 0 if prof is None else prof.ctypes.data, start, done,
-                         0 if words is None else words.ctypes.data, int(self.pipelined_decode))
+                         0 if words is None else words.ctypes.data, int(self.pipelined_decode),
+                         pool.num_threads if self.tail_experts is None else self.tail_experts,
+                         self.tail_parts)
             return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self, words))
 
         return launch

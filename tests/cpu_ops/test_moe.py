@@ -290,6 +290,73 @@ def test_pipelined_decode_is_identical(scheme, pool):
     assert (dep[used, :2] == [0, 1]).all() and (np.delete(dep, used, axis=0) == 7).all(), dep[:, :2]
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_tail_split_is_identical(scheme, pool):
+    """Prefill with whole-expert tasks: the last experts split into gate+up and down part tasks (the
+    pipelined order within a fused chunk) run the same kernels on the same rows as whole-expert tasks:
+    bit-identical, with masks, incremental output, chunks and two-level activations."""
+    base = layer(scheme, "double", E=16, pool=pool)[0]
+    rng = np.random.default_rng(13)
+    E, H = base.num_experts, base.hidden
+    gmask = np.zeros(E, bool)
+    gmask[[2, 5]] = True
+    kinds = [dict(), dict(chunk_tokens=24)] + ([dict(activations="int8x2")] if scheme != "bf16" else [])
+    for kw in kinds:
+        off = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme], **kw)
+        off.tail_parts = 1
+        ons = []
+        for tail, parts in ((None, 4), (3, 2), (100, 8)):
+            m = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme], **kw)
+            m.tail_experts, m.tail_parts = tail, parts
+            ons.append(m)
+        for T in (40, 61):
+            x = rng.standard_normal((T, H), dtype=np.float32)
+            ids, w = routing(rng, T, E, 3)
+            want = off(x, ids, w, gpu_mask=gmask)
+            check_tight(off, x, ids, w, want, mask=gmask, what=f"tail {scheme} {kw} T={T}")
+            acc_off = np.ones((T, H), np.float32)
+            off(x, ids, w, out=acc_off, incremental=True)
+            for m in ons:
+                assert np.array_equal(m(x, ids, w, gpu_mask=gmask), want), (kw, T, m.tail_experts)
+                acc = np.ones((T, H), np.float32)
+                m(x, ids, w, out=acc, incremental=True)
+                assert np.array_equal(acc, acc_off), (kw, T, m.tail_experts, "incremental")
+    # a layer too narrow to split (4 gate+up blocks: a part would be the whole expert) keeps whole
+    # experts: the same output, and no down task waits for activations nobody computes
+    narrow = layer(scheme, "double", E=16, I=32, pool=pool)[0]
+    x = rng.standard_normal((40, H), dtype=np.float32)
+    ids, w = routing(rng, 40, E, 3)
+    outs = []
+    for parts in (1, 2, 4, 8):
+        m = CPUMoE(narrow.w13, narrow.w2, pool=pool, kernels=DOUBLES[scheme])
+        m.tail_parts = parts
+        outs.append(m(x, ids, w))
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+    # the split really ran: a fused chunk arms per-expert words for all its experts; the split ones
+    # end "0 gate+up tasks left, ready", whole ones "1 left, not ready" (never counted down); the
+    # split ones are the smallest (taken last); tail_parts = 1 leaves the words alone
+    from kt.cpu_ops import _moe_driver as drv
+    dep = pool.scratch("moe.dep", E * drv.DEP_STRIDE, np.int64).reshape(E, drv.DEP_STRIDE)
+    T = 48
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    ids, w = routing(rng, T, E, 3, skip_frac=0.0)
+    counts = np.bincount(ids.ravel(), minlength=E)
+    assert (counts > 0).sum() >= 6  # enough experts for a fused chunk with 3 split
+    off = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme])  # one chunk
+    off.tail_parts = 1
+    on = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme])
+    on.tail_experts, on.tail_parts = 3, 2
+    dep[:] = 7
+    off(x, ids, w)
+    assert (dep == 7).all()
+    on(x, ids, w)
+    split = (dep[:, 0] == 0) & (dep[:, 1] == 1)
+    whole = (dep[:, 0] == 1) & (dep[:, 1] == 0)
+    assert split.sum() == 3 and (split | whole | (counts == 0)).all(), dep[:, :2]
+    assert (whole == ((counts > 0) & ~split)).all(), dep[:, :2]
+    assert counts[split].max() <= counts[whole].min(), (counts, dep[:, :2])
+
+
 def test_torch_io_and_async(pool):
     torch = pytest.importorskip("torch")
     m = layer("bf16", "double", pool=pool)[0]
