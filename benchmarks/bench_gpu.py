@@ -382,7 +382,9 @@ SORTED_DOWN = [(128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (128
 # (T=7 was swept in session 5 and lost to the sorted path; the direct path now stops at T*K = 8)
 TUNE_CASES = ([("qwen3-30b-a3b", d, t) for d in ("bf16", "int8") for t in (1, 4096)]
               + [("qwen3-30b-a3b", "bf16", 512), ("mixtral-8x7b", "bf16", 1)])
-TUNE_BM = {512: (64,), 4096: (64, 128)}
+# decode-sized sorted T: int8 weights at T=64 ran at half the bandwidth a plain read of the same
+# bytes reaches (gpu_decode_floor.py, session 11), with 16-row blocks re-reading a slot's weights
+TUNE_BM = {7: (16,), 64: (16, 32, 64), 512: (64,), 4096: (64, 128)}
 # (tma, flatten) tried on the best tiles of each sorted-path kernel
 FLAGS = [(False, False), (True, False), (True, True)]
 
@@ -705,6 +707,8 @@ def main():
     ap.add_argument("--tune", action="store_true", help="run the per-stage tuning part (writes h200_tuned.json)")
     ap.add_argument("--tune-budget-s", type=float, default=300.0, help="stop the tuning part after this long")
     ap.add_argument("--tune-T", default="", help="comma list: tune only these T (default: all of TUNE_CASES)")
+    ap.add_argument("--tune-cases", default="",
+                    help="comma list of shape:dtype:T to tune instead of TUNE_CASES (e.g. mixtral-8x7b:int8:64)")
     args = ap.parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -750,7 +754,13 @@ def main():
 
         shipped = load_table("h200")
         keep_t = {int(v) for v in args.tune_T.split(",") if v}
-        cases = [c for c in TUNE_CASES if not keep_t or c[2] in keep_t]
+        cases = TUNE_CASES
+        if args.tune_cases:
+            cases = [(n, d, int(t)) for n, d, t in (c.split(":") for c in args.tune_cases.split(","))]
+            unknown = [c for c in cases if c[0] not in SHAPES or c[1] not in ("bf16", "int8")]
+            if unknown:
+                raise SystemExit(f"--tune-cases: unknown shape or dtype in {unknown}; shapes {sorted(SHAPES)}")
+        cases = [c for c in cases if not keep_t or c[2] in keep_t]
         found = part_tune(torch, R, res, do_bench, time.time() + args.tune_budget_s, shipped, cases=cases)
         res.save()
         if args.out:
