@@ -545,3 +545,59 @@ def test_accuracy_vs_fp32(scheme, variant, pool):
                   f"fp32 {err:.4f} (bound {bound})")
             assert err <= bound, (scheme, lay.activations, T, err)
             check_tight(lay, x.float().numpy(), ids, w, out, what=f"{scheme} T={T} tight")
+
+
+def test_plan_tasks_cover_every_expert_once():
+    """The driver's plan over a grid of layer widths, thread counts and tail settings: every active
+    expert's gate+up and down blocks are covered exactly once; in a fused chunk an expert has down
+    tasks exactly when it is split, a split expert has no task covering all its gate+up blocks (that
+    task would run as a whole expert and never release the down tasks), and the split experts are
+    the last of the order (the smallest)."""
+    from kt.cpu_ops import _moe_driver as drv
+
+    rng = np.random.default_rng(5)
+    for nb13, nb2, E, T, K, nth, tail, tailp in [
+            (4, 4, 16, 40, 3, 2, 2, 4), (8, 4, 16, 40, 3, 2, 2, 2), (96, 128, 128, 512, 8, 16, 16, 4),
+            (96, 128, 128, 2048, 8, 16, 16, 8), (14, 13, 16, 61, 3, 2, 100, 8), (5, 3, 12, 30, 2, 3, 4, 3),
+            (96, 128, 128, 1, 8, 16, 16, 4), (12, 8, 8, 6, 2, 4, 4, 4), (2, 2, 16, 50, 4, 2, 2, 4)]:
+        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64)
+        ids[rng.random(ids.shape) < 0.05] = -1
+        mask = np.ones(E, np.uint8)
+        pos = np.zeros((T, K), np.int32)
+        rslot = np.zeros(T * K, np.int32)
+        offs = np.zeros(E + 1, np.int32)
+        order = np.zeros(E, np.int32)
+        t13 = np.full((E * nb13, 3), -1, np.int32)
+        t2 = np.full((E * nb2, 3), -1, np.int32)
+        rows, n13, n2, fused, bad = drv._plan(0, T, ids, mask, pos, rslot, offs, order, t13, t2, nb13, nb2,
+                                              nth, 0, 0, 1, tail, tailp)
+        what = (nb13, nb2, E, T, nth, tail, tailp)
+        active = [e for e in range(E) if offs[e + 1] > offs[e]]
+        assert rows == (ids >= 0).sum() and bad == 0, what
+
+        def cover(tasks, n, nb):
+            got = {}
+            for e, b0, b1 in tasks[:n]:
+                assert 0 <= b0 < b1 <= nb, what
+                got.setdefault(int(e), []).append((int(b0), int(b1)))
+            for e, spans in got.items():
+                spans.sort()
+                assert spans[0][0] == 0 and spans[-1][1] == nb, (what, e, spans)
+                assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (what, e, spans)
+            return got
+
+        g13 = cover(t13, n13, nb13)
+        g2 = cover(t2, n2, nb2)
+        assert sorted(g13) == active, what
+        if not fused:
+            assert sorted(g2) == active, what
+            continue
+        split = sorted(g2)
+        for e in split:
+            assert all(sp != (0, nb13) for sp in g13[e]), (what, e)
+        for e in set(active) - set(split):
+            assert g13[e] == [(0, nb13)], (what, e)
+        n_act = len(active)
+        assert sorted(order[n_act - len(split):n_act]) == split, what
+        if tailp > 1 and nb13 > 4 and n_act >= 2:
+            assert len(split) == min(tail, n_act // 2), what  # room in tasks13 in these cases
