@@ -9,6 +9,8 @@ median of interleaved rounds:
   each program summing its chunk: what a single-pass MoE kernel could do at best;
 - read2: the same bytes in two dependent launches, w13's then w2's: the floor of any MoE whose down
   GEMM needs the whole intermediate h (two launches, or a grid-wide barrier);
+- read1cvt (int8 weights): read1 with every byte converted to bf16, as the int8 GEMMs convert their
+  weight tiles: whether the conversion alone keeps a kernel from the bandwidth;
 - fused_moe: kt's op with the shipped config.
 Fractions are of the HBM bandwidth measured in the same run (a 4 GiB device copy, read + written
 bytes, as bench_gpu.py) and of a 4 GiB read by the read kernel.
@@ -39,11 +41,17 @@ def _kernels():
         pass
 
     @triton.jit
-    def read_kernel(base_ptr, starts_ptr, out_ptr, CHUNK: tl.constexpr):
+    def read_kernel(base_ptr, starts_ptr, out_ptr, CHUNK: tl.constexpr, CVT: tl.constexpr = False):
+        """out[p] = sum of the CHUNK int32 words at starts[p]. CVT: base_ptr is the same bytes as
+        int8, each converted to bf16 as the int8 GEMMs convert their weight tiles."""
         p = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + p), CHUNK)
-        v = tl.load(base_ptr + start + tl.arange(0, CHUNK))
-        tl.store(out_ptr + p, tl.sum(v, 0))
+        if CVT:
+            v = tl.load(base_ptr + 4 * start + tl.arange(0, 4 * CHUNK)).to(tl.bfloat16)
+            tl.store(out_ptr + p, tl.sum(v, 0).to(tl.int32))
+        else:
+            v = tl.load(base_ptr + start + tl.arange(0, CHUNK))
+            tl.store(out_ptr + p, tl.sum(v, 0))
 
     return empty_kernel, read_kernel
 
@@ -80,8 +88,9 @@ def _ceilings(torch, do_bench, read_kernel, dev):
     return dict(copy_bytes_per_s=2 * n_bytes / (ms_copy * 1e-3), read_bytes_per_s=n_bytes / (ms_read * 1e-3))
 
 
-def _read_fns(torch, read_kernel, w13w, w2w, S, touched, chunks, dev, keep):
-    """{name: fn} of the read kernels over the touched slots' words (see the module docstring)."""
+def _read_fns(torch, read_kernel, w13w, w2w, S, touched, chunks, dev, keep, cvt):
+    """{name: fn} of the read kernels over the touched slots' words (see the module docstring); cvt
+    (int8 weights): also read1cvt, the one-launch read with every byte converted to bf16."""
     n13, n2 = w13w.numel() // S, w2w.numel() // S
     fns = {}
     for chunk in chunks:
@@ -90,8 +99,8 @@ def _read_fns(torch, read_kernel, w13w, w2w, S, touched, chunks, dev, keep):
         # one launch: the touched slots' w13 and w2 words copied side by side
         flat = torch.cat([w13w.view(S, n13)[touched].reshape(-1), w2w.view(S, n2)[touched].reshape(-1)])
         st = torch.arange(0, flat.numel(), chunk, dtype=torch.int64, device=dev)
-        parts = [torch.empty(v.numel(), dtype=torch.int32, device=dev) for v in (s13, s2, st)]
-        keep += [s13, s2, flat, st, *parts]
+        parts = [torch.empty(v.numel(), dtype=torch.int32, device=dev) for v in (s13, s2, st, st)]
+        keep += [s13, s2, flat, st, parts[3], *parts[:3]]  # the dry run reads the last three
         for nw in (4, 8):
             def two(s13=s13, s2=s2, parts=parts, chunk=chunk, nw=nw):
                 read_kernel[(s13.numel(),)](w13w, s13, parts[0], CHUNK=chunk, num_warps=nw)
@@ -100,8 +109,14 @@ def _read_fns(torch, read_kernel, w13w, w2w, S, touched, chunks, dev, keep):
             def one(flat=flat, st=st, parts=parts, chunk=chunk, nw=nw):
                 read_kernel[(st.numel(),)](flat, st, parts[2], CHUNK=chunk, num_warps=nw)
 
+            def one_cvt(flat=flat, st=st, parts=parts, chunk=chunk, nw=nw):
+                read_kernel[(st.numel(),)](flat.view(torch.int8), st, parts[3], CHUNK=chunk, CVT=True,
+                                           num_warps=nw)
+
             fns[f"read1_c{chunk}_w{nw}"] = one
             fns[f"read2_c{chunk}_w{nw}"] = two
+            if cvt:
+                fns[f"read1cvt_c{chunk}_w{nw}"] = one_cvt
     return fns
 
 
@@ -160,7 +175,7 @@ def main(argv=None):
                 keep = []
                 fns = {"empty": lambda: empty_kernel[(1,)](sink)}
                 fns.update(_read_fns(torch, read_kernel, w13w, w2w, sh["S"], touched,
-                                     DRY_CHUNKS if dry else CHUNKS, dev, keep))
+                                     DRY_CHUNKS if dry else CHUNKS, dev, keep, dtype == "int8"))
                 fns["fused_moe"] = lambda: fused_moe(x, ids, w, e2s, **wts)
                 if dry:  # the read kernels' (wrapping int32) sums against torch's, mod 2**32
                     for fn in fns.values():
@@ -189,17 +204,19 @@ def main(argv=None):
                     case[k] = dict(min_us=round(mn, 2), median_us=round(md, 2),
                                    hbm_copy_frac=round(nbytes / (mn * 1e-6) / bw_copy, 3),
                                    hbm_read_frac=round(nbytes / (mn * 1e-6) / bw_read, 3))
-                for kind in ("read1", "read2"):
-                    best = min((k for k in case if k.startswith(kind)), key=lambda k: case[k]["min_us"])
-                    case[f"{kind}_best"] = best
+                for kind in ("read1_", "read2_", "read1cvt_"):
+                    names = [k for k in case if k.startswith(kind)]
+                    if names:
+                        case[f"{kind[:-1]}_best"] = min(names, key=lambda k: case[k]["min_us"])
                 res["cases"].append(case)
                 r1, r2, fm = case[case["read1_best"]], case[case["read2_best"]], case["fused_moe"]
                 print(f"{name} {dtype} T={t}: {len(touched)} slots, {nbytes / 1e6:.1f} MB (bandwidth time "
                       f"{nbytes / bw_copy * 1e6:.1f} us): empty {case['empty']['min_us']:.1f} us, "
                       f"read1 {r1['min_us']:.1f} ({100 * r1['hbm_copy_frac']:.0f} %), "
                       f"read2 {r2['min_us']:.1f} ({100 * r2['hbm_copy_frac']:.0f} %), "
-                      f"fused_moe {fm['min_us']:.1f} ({100 * fm['hbm_copy_frac']:.0f} %, rel err {err:.1e})",
-                      flush=True)
+                      f"fused_moe {fm['min_us']:.1f} ({100 * fm['hbm_copy_frac']:.0f} %, rel err {err:.1e})"
+                      + (f", read1 with the int8 -> bf16 conversion {case[case['read1cvt_best']]['min_us']:.1f}"
+                         if "read1cvt_best" in case else ""), flush=True)
                 del reps, fns, keep
             if not dry:
                 torch.cuda.empty_cache()
