@@ -247,17 +247,22 @@ def test_gathered_calls_are_identical(scheme, kind, pool, monkeypatch):
         check_tight(m, x, ids, w, ref_out, mask=gmask, what=f"{kw}", whole=1e-3)
 
 
+def _order_case(scheme, pool, seed, chunk_tokens, E=8):
+    """A scalar-kernel layer, an rng, two GPU-masked experts and the layer options under which a task
+    order must give bit-identical outputs (plain, chunked, two-level activations)."""
+    base = layer(scheme, "double", E=E, pool=pool)[0]
+    gmask = np.zeros(base.num_experts, bool)
+    gmask[[2, 5]] = True
+    kinds = [dict(), dict(chunk_tokens=chunk_tokens)] + ([dict(activations="int8x2")] if scheme != "bf16" else [])
+    return base, np.random.default_rng(seed), base.num_experts, base.hidden, gmask, kinds
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_pipelined_decode_is_identical(scheme, pool):
     """Pipelined decode (down tasks wait per expert; the last gate+up task of an expert computes its
     activations) runs the same kernels on the same rows as the phase-by-phase order: bit-identical,
     with masks, incremental output, chunks and two-level activations."""
-    base = layer(scheme, "double", pool=pool)[0]
-    rng = np.random.default_rng(12)
-    E, H = base.num_experts, base.hidden
-    gmask = np.zeros(E, bool)
-    gmask[[2, 5]] = True
-    kinds = [dict(), dict(chunk_tokens=2)] + ([dict(activations="int8x2")] if scheme != "bf16" else [])
+    base, rng, E, H, gmask, kinds = _order_case(scheme, pool, 12, chunk_tokens=2)
     for kw in kinds:
         on = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme], **kw)
         off = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme], **kw)
@@ -295,12 +300,7 @@ def test_tail_split_is_identical(scheme, pool):
     """Prefill with whole-expert tasks: the last experts split into gate+up and down part tasks (the
     pipelined order within a fused chunk) run the same kernels on the same rows as whole-expert tasks:
     bit-identical, with masks, incremental output, chunks and two-level activations."""
-    base = layer(scheme, "double", E=16, pool=pool)[0]
-    rng = np.random.default_rng(13)
-    E, H = base.num_experts, base.hidden
-    gmask = np.zeros(E, bool)
-    gmask[[2, 5]] = True
-    kinds = [dict(), dict(chunk_tokens=24)] + ([dict(activations="int8x2")] if scheme != "bf16" else [])
+    base, rng, E, H, gmask, kinds = _order_case(scheme, pool, 13, chunk_tokens=24, E=16)
     for kw in kinds:
         off = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme], **kw)
         off.tail_parts = 1
