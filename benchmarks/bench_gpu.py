@@ -375,16 +375,18 @@ DIRECT_GU = [("scan", 32, 256, 4, 3), ("scan", 32, 128, 4, 4), ("scan", 64, 128,
              ("pairs", 2, 1024, 2, 1), ("pairs", 16, 256, 4, 3), ("pairs", 8, 1024, 8, 1), ("pairs", 4, 2048, 8, 1)]
 DIRECT_DOWN = [(16, 1024, 4), (8, 1024, 4), (4, 1024, 2), (8, 512, 2), (2, 1024, 2), (4, 512, 4), (4, 1024, 4),
                (16, 2048, 8)]
+# the last entries (block_k 256): more weight bytes in flight per program, for the memory-bound
+# small-block_m cases (an int8 tile of a given shape is half a bf16 tile's bytes)
 SORTED_GU = [(64, 64, 8, 4, 4), (64, 64, 8, 8, 4), (128, 64, 8, 8, 3), (128, 64, 8, 8, 4), (64, 128, 8, 4, 3),
-             (64, 128, 8, 8, 3), (128, 32, 8, 8, 4), (32, 64, 8, 4, 4)]
+             (64, 128, 8, 8, 3), (128, 32, 8, 8, 4), (32, 64, 8, 4, 4), (64, 256, 8, 4, 3), (32, 256, 8, 4, 4)]
 SORTED_DOWN = [(128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (64, 128, 8, 4, 4),
-               (256, 128, 8, 8, 2), (128, 32, 8, 4, 5), (64, 64, 8, 4, 4)]
+               (256, 128, 8, 8, 2), (128, 32, 8, 4, 5), (64, 64, 8, 4, 4), (128, 256, 8, 4, 3), (64, 256, 8, 4, 3)]
 # (T=7 was swept in session 5 and lost to the sorted path; the direct path now stops at T*K = 8)
 TUNE_CASES = ([("qwen3-30b-a3b", d, t) for d in ("bf16", "int8") for t in (1, 4096)]
               + [("qwen3-30b-a3b", "bf16", 512), ("mixtral-8x7b", "bf16", 1)])
 # decode-sized sorted T: int8 weights at T=64 ran at half the bandwidth a plain read of the same
 # bytes reaches (gpu_decode_floor.py, session 11), with 16-row blocks re-reading a slot's weights
-TUNE_BM = {7: (16,), 64: (16, 32, 64), 512: (64,), 4096: (64, 128)}
+TUNE_BM = {7: (16,), 64: (16, 32), 512: (64,), 4096: (64, 128)}
 # (tma, flatten) tried on the best tiles of each sorted-path kernel
 FLAGS = [(False, False), (True, False), (True, True)]
 
