@@ -310,10 +310,7 @@ class CPUMoE:
         # Decode's down tasks wait per expert instead of behind all-thread barriers
         # (_moe_driver's "pipelined decode"). A tuning knob, not needed for correctness.
         self.pipelined_decode = True
-        # Prefill with whole-expert tasks: the last `tail_experts` experts of a chunk (None: as
-        # many as the pool has threads) are split into about `tail_parts` gate+up tasks and half
-        # as many down tasks (_moe_driver's fused chunks). Tuning knobs (tail_parts <= 1: off).
-        self.tail_experts: int | None = None
+        self.tail_experts = None
         self.tail_parts = 4
         self._all_cpu = np.ones(E, np.uint8)
         self._prof: np.ndarray | None = None  # set by profile(): [threads, phases, 2] cycles
@@ -365,6 +362,27 @@ class CPUMoE:
     def activations(self, mode: str) -> None:
         self._activations = check_activations(mode, self.scheme)
         self.levels = 2 if mode == "int8x2" else 1
+
+    @property
+    def tail_experts(self) -> int | None:
+        """Prefill with whole-expert tasks: the last ``tail_experts`` experts of a chunk (the
+        smallest; None: as many as the pool has threads, 0: none) are split into about
+        ``tail_parts`` gate+up tasks and half as many down tasks, so the threads run out of work
+        together (_moe_driver's fused chunks). Tuning knobs, not needed for correctness."""
+        return self._tail_experts
+
+    @tail_experts.setter
+    def tail_experts(self, n: int | None) -> None:
+        self._tail_experts = None if n is None else _count("tail_experts", n)
+
+    @property
+    def tail_parts(self) -> int:
+        """See ``tail_experts``; 0 or 1: no split."""
+        return self._tail_parts
+
+    @tail_parts.setter
+    def tail_parts(self, n: int) -> None:
+        self._tail_parts = _count("tail_parts", n)
 
     @property
     def pool(self) -> CpuPool:
@@ -686,6 +704,13 @@ def _call_rows(xbytes: int, n13: int) -> tuple[int, int]:
     else:
         gus = 0
     return gch, gus
+
+
+def _count(name: str, n) -> int:
+    """n as a non-negative int (a bool or a float is refused), for the tuning knobs."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"CPUMoE.{name} must be a non-negative int, got {n!r}")
+    return int(n)
 
 
 def _cap(n: int) -> int:

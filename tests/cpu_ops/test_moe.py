@@ -431,6 +431,17 @@ def test_bad_activation_modes(pool):
         CPUMoE(mb.w13, mb.w2, pool=pool, kernels=DOUBLES["bf16"], activations="int8x2")
 
 
+def test_bad_tail_knobs(pool):
+    m = layer("int8", "double", pool=pool)[0]
+    for name, bad in (("tail_experts", -1), ("tail_experts", 2.0), ("tail_parts", "4"), ("tail_parts", True),
+                      ("tail_parts", None)):
+        with pytest.raises(ValueError, match=f"CPUMoE.{name} must be a non-negative int"):
+            setattr(m, name, bad)
+    m.tail_experts, m.tail_parts = np.int64(3), 0
+    assert (m.tail_experts, m.tail_parts) == (3, 0) and type(m.tail_experts) is int
+    m.tail_experts, m.tail_parts = None, 4  # the defaults (the layer is shared by other tests)
+
+
 def test_bad_input_errors(pool):
     m = layer("int8", "double", pool=pool, max_tokens=16)[0]
     H, E = m.hidden, m.num_experts
