@@ -409,7 +409,7 @@ def test_nan_and_inf_propagate_per_token(pool):
     for scheme in ("int8", "bf16"):
         m = layer(scheme, "double", pool=pool)[0]
         rng = np.random.default_rng(4)
-        T, H, E = 4, m.hidden, m.num_experts
+        T, H = 4, m.hidden
         x = rng.standard_normal((T, H), dtype=np.float32)
         x[1, 5] = np.nan
         x[2, 7] = np.inf
