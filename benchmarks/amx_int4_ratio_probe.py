@@ -8,7 +8,6 @@ Device:  PYTHONPATH=. python3 benchmarks/amx_int4_ratio_probe.py --out $OUT
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _results import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from kt import reference as R  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
 from kt.cpu_ops.packing import pack  # noqa: E402
@@ -71,9 +71,7 @@ def main():
         print(f"{k:11s} min {min(ts) * 1e3:7.3f} ms  {tops:5.2f} TOPS (median {med:5.2f})  "
               f"{100 * tops / peak:4.1f} % of the {peak:.2f} TOPS tile-resident peak", flush=True)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "amx_int4_ratio_probe.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.out, "amx_int4_ratio_probe.json", res)
 
 
 if __name__ == "__main__":

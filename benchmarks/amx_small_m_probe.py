@@ -17,7 +17,6 @@ Device:  PYTHONPATH=. python3 benchmarks/amx_small_m_probe.py --out $OUT
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from numba import njit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _results import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from kt import reference as R  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
 from kt.cpu_ops.packing import pack  # noqa: E402
@@ -180,9 +180,7 @@ def main():
                 print(f"M={m:4d} thr={nt:2d} {k:9s} min {row['min_us']:8.1f} us  med {row['med_us']:8.1f}{extra}",
                       flush=True)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "amx_small_m_probe.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.out, "amx_small_m_probe.json", res)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ bytes, as bench_gpu.py) and of a 4 GiB read by the read kernel.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_gpu as B  # noqa: E402  (the shapes, weights, routing and graph capture)
+from _results import write_json  # noqa: E402
 
 CHUNKS = (1024, 4096)  # int32 words per program (4 KiB, 16 KiB)
 DRY_CHUNKS = (128, 256)  # the dry run's tiny shape has 512-word slot regions
@@ -220,11 +220,7 @@ def main(argv=None):
                 del reps, fns, keep
             if not dry:
                 torch.cuda.empty_cache()
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "gpu_decode_floor.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {write_json(a.out, 'gpu_decode_floor.json', res)}")
     bad = [c for c in res["cases"] if not c["fused_moe_correct"]]
     return 1 if bad else 0
 

@@ -56,6 +56,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 from kt.gpu_ops import MoEConfig  # noqa: E402
 from kt.gpu_ops import moe as M  # noqa: E402
 from kt.gpu_ops._kernels import _cast, _tile_ids  # noqa: E402
+from _results import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 @triton.jit
@@ -641,7 +642,7 @@ def main():
         print("ncu-once: launched", flush=True)
         return
     slots = {int(s) for s in a.slots.split(",")}
-    path = os.path.join(a.out, f"gpu_prefill_probe_{a.part}.json") if a.out else None
+    name = f"gpu_prefill_probe_{a.part}.json"
     for part in (("ybf16", "gemm") if a.part == "all" else (a.part,)):
         for label, sh in cases:
             if sh["S"] not in slots:
@@ -651,10 +652,8 @@ def main():
             else:
                 res["ybf16"].append(part_ybf16(label, sh, a.rounds, peak))
             torch.cuda.empty_cache()
-            if path:  # after every case, so a later failure loses nothing earlier
-                os.makedirs(a.out, exist_ok=True)
-                with open(path, "w") as f:
-                    json.dump(res, f, indent=1)
+            if a.out:  # after every case, so a later failure loses nothing earlier
+                write_json(a.out, name, res)
 
 
 if __name__ == "__main__":
