@@ -427,14 +427,13 @@ def _plan(t0, t1, ids, mask, pos, rslot, offs, order, tasks13, tasks2, nb13, nb2
     b2 = _blocks_per_task(nb2, n_act, nth, bpt2)
     fused = b13 >= nb13
     split = 0
-    if fused and tailp > 1:
+    # only when a part is smaller than the expert: a "part" covering all blocks would run as a
+    # whole expert, which never releases down tasks (moe_job)
+    if fused and tailp > 1 and _part_blocks(nb13, tailp) < nb13:
         # at most half the experts, and only as many part tasks as tasks13 has room for
-        split = min(tail, n_act // 2, (tasks13.shape[0] - n_act) // max(1, tailp - 1))
-    if split > 0:
+        split = min(tail, n_act // 2, (tasks13.shape[0] - n_act) // (tailp - 1))
         b13 = _part_blocks(nb13, tailp)
         b2 = _part_blocks(nb2, max(1, tailp // 2))
-        if b13 >= nb13:  # too few blocks to split: a "part" would be a whole expert, which never
-            split = 0    # releases down tasks (moe_job), so keep whole experts
     n13 = 0
     n2 = 0
     for a in range(n_act):
