@@ -5,8 +5,9 @@ Only @triton.jit code lives here; kt/gpu_ops/moe.py checks, allocates, picks the
 
 Legend: T tokens, K top-k, H hidden, I intermediate, S GPU expert slots, N = T*K token-slots.
 A "token-slot" n = t*K + k is one (token, choice) pair. The wrapper sorts token-slots by expert slot into
-blocks of BLOCK_M rows (`sorted_ids`, padded with the sentinel N) and gives each block its slot
-(`block_slot`); `num_padded[0]` is how many rows of `sorted_ids` are in use. The GEMM kernels are persistent:
+blocks of ALIGN_M rows (`sorted_ids`, padded with the sentinel N) and gives each block its slot
+(`block_slot`); a GEMM kernel's BLOCK_M divides ALIGN_M, so its row block b lies in aligned block
+b // (ALIGN_M // BLOCK_M); `num_padded[0]` is how many rows of `sorted_ids` are in use. The GEMM kernels are persistent:
 a fixed grid (about a few programs per SM) loops over the tiles of the row blocks in use, read from
 `num_padded` on the device, so nothing is read back to the host and no program is spent on the
 worst-case padding of the grid (most token-slots of a hybrid layer are on the CPU).
@@ -81,6 +82,107 @@ def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, w_desc, g_row, I, row_mask, col_mask, H
 
 
 @triton.jit
+def _gate_up_acc_a8(a_ptrs, stride_xl, g_ptrs, u_ptrs, w_desc, g_row, I, row_mask, col_mask, H, stride_xh,
+                    stride_wh, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    TMA_W: tl.constexpr):
+    """As _gate_up_acc for int8 weights and two-level int8 activations (a_ptrs: level 1, level 2
+    stride_xl further): int8 tensor-core products, exact int32 sums, one accumulator per (level,
+    gate/up) -> (gate level 1, gate level 2, up level 1, up level 2)."""
+    # (out_dtype: triton 3.6 asserts that an int32 accumulator is named as such)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g1 = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
+    acc_g2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
+    acc_u1 = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
+    acc_u2 = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
+    for kb in range(0, tl.cdiv(H, BLOCK_K)):
+        k_mask = offs_k < H - kb * BLOCK_K
+        a1 = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0)
+        a2 = tl.load(a_ptrs + stride_xl, mask=row_mask[:, None] & k_mask[None, :], other=0)
+        if TMA_W:
+            bg = tl.trans(w_desc.load([g_row, kb * BLOCK_K]))
+            bu = tl.trans(w_desc.load([g_row + I, kb * BLOCK_K]))
+        else:
+            bg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0)
+            bu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0)
+        acc_g1 = tl.dot(a1, bg, acc_g1, out_dtype=tl.int32)
+        acc_g2 = tl.dot(a2, bg, acc_g2, out_dtype=tl.int32)
+        acc_u1 = tl.dot(a1, bu, acc_u1, out_dtype=tl.int32)
+        acc_u2 = tl.dot(a2, bu, acc_u2, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+    return acc_g1, acc_g2, acc_u1, acc_u2
+
+
+@triton.jit
+def _round127(v):
+    # round half away from zero, clamped to the int8 codes [-127, 127]; NaN (0 * Inf) -> 0
+    r = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    return tl.where(r == r, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0)
+
+
+@triton.jit
+def _quant2_levels(v, amax, amax2_in, ONE_PASS: tl.constexpr):
+    """(q1, q2, s1, s2) of rows v [R, B] (fp32) given each row's absmax [R] (NaN/Inf counted as
+    Inf); with ONE_PASS the residual's absmax is taken from v itself, else amax2_in is used."""
+    s1 = amax / 127.0
+    inv1 = tl.where(amax > 0, 127.0 / amax, 0.0)
+    q1 = _round127(v * inv1[:, None])
+    r = v - q1 * s1[:, None]
+    amax2 = tl.max(tl.abs(r), 1) if ONE_PASS else amax2_in
+    s2 = amax2 / 127.0
+    inv2 = tl.where(amax2 > 0, 127.0 / amax2, 0.0)
+    return q1, _round127(r * inv2[:, None]), s1, s2
+
+
+@triton.jit
+def act_quant2_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_xh, stride_ql, stride_qt,
+                      ROWS: tl.constexpr, BLOCK_H: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Two-level per-token int8 of ROWS rows t (kt.reference.quantize_act2): q[0, t] =
+    round(x * 127 / amax) with s[t, 0] = amax / 127, then the residual r = x - q[0, t] * s[t, 0]
+    the same way into q[1, t], s[t, 1]. x [T, H] float; q [2, T, H] int8; s [T, 2] fp32. Rounding
+    is half away from zero (the reference rounds ties to even: a tie moves one code by one, within
+    the level's error bound). A NaN or Inf in a row makes its scales Inf, so its outputs are NaN
+    (propagated, as the float path would). ONE_PASS (BLOCK_H >= H): every row is read once and kept
+    in registers; else in three passes (absmax, residual absmax, codes)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r_ok = rows < T
+    rows64 = tl.where(r_ok, rows, 0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    x_row = x_ptr + rows64[:, None] * stride_xt
+    q_row = q_ptr + rows64[:, None] * stride_qt
+    if ONE_PASS:
+        m = r_ok[:, None] & (offs < H)[None, :]
+        v = tl.load(x_row + offs[None, :] * stride_xh, mask=m, other=0.0).to(tl.float32)
+        amax = tl.max(tl.where(v == v, tl.abs(v), float("inf")), 1)
+        q1, q2, s1, s2 = _quant2_levels(v, amax, amax, True)
+        tl.store(q_row + offs[None, :], q1.to(tl.int8), mask=m)
+        tl.store(q_row + stride_ql + offs[None, :], q2.to(tl.int8), mask=m)
+    else:
+        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            m = r_ok[:, None] & (offs < H - h0)[None, :]
+            v = tl.load(x_row + (h0 + offs)[None, :] * stride_xh, mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.where(v == v, tl.abs(v), float("inf")), 1))
+        amax2 = tl.zeros((ROWS,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            m = r_ok[:, None] & (offs < H - h0)[None, :]
+            v = tl.load(x_row + (h0 + offs)[None, :] * stride_xh, mask=m, other=0.0).to(tl.float32)
+            q1, q2, s1, s2 = _quant2_levels(v, amax, amax, True)
+            amax2 = tl.maximum(amax2, tl.max(tl.abs(v - q1 * s1[:, None]), 1))
+        for h0 in range(0, H, BLOCK_H):
+            m = r_ok[:, None] & (offs < H - h0)[None, :]
+            v = tl.load(x_row + (h0 + offs)[None, :] * stride_xh, mask=m, other=0.0).to(tl.float32)
+            q1, q2, s1, s2 = _quant2_levels(v, amax, amax2, False)
+            tl.store(q_row + h0 + offs[None, :], q1.to(tl.int8), mask=m)
+            tl.store(q_row + stride_ql + h0 + offs[None, :], q2.to(tl.int8), mask=m)
+        s1 = amax / 127.0
+        s2 = amax2 / 127.0
+    tl.store(s_ptr + 2 * rows64, s1, mask=r_ok)
+    tl.store(s_ptr + 2 * rows64 + 1, s2, mask=r_ok)
+
+
+@triton.jit
 def _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n, n_mask, I, stride_se, stride_sn, INT8_W: tl.constexpr):
     """silu(gate) * up, the int8 weights' per-row scales applied first (slot: int64; columns
     offs_n where n_mask)."""
@@ -93,15 +195,15 @@ def _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n, n_mask, I, stride_se, stride_s
 @triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, w_desc, s13_ptr, h_ptr,
-    sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
+    sorted_ids_ptr, block_slot_ptr, num_padded_ptr, xs_ptr,
     num_valid, H, I, top_k,
-    stride_xt, stride_xh,
+    stride_xt, stride_xh, stride_xl,
     stride_we, stride_wn, stride_wh,
     stride_se, stride_sn,
     stride_hm, stride_hi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
-    UPCAST: tl.constexpr,
+    ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
+    UPCAST: tl.constexpr, A8: tl.constexpr,
 ):
     """h[n, :] = silu(gate_s x_t) * (up_s x_t) for every token-slot n = t*K + k routed to slot s.
 
@@ -109,12 +211,15 @@ def gate_up_kernel(
     h [N, I] in the compute dtype. Tile: BLOCK_M sorted rows x BLOCK_N columns of gate and of up.
     TMA_W: weight tiles through w_desc (see _gate_up_acc). FLATTEN: the tile loop flattened with the
     k loop, so the pipeliner loads the next tile while this one's epilogue runs (one program per SM).
+    A8 (int8 weights only): x is act_quant2_kernel's q [2, T, H] int8 (levels stride_xl apart) with
+    xs [T, 2] fp32, and the products run on int8 tensor cores (_gate_up_acc_a8); xs is not read
+    otherwise.
     """
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(I, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
-        slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+        slot = tl.load(block_slot_ptr + pid_m // (ALIGN_M // BLOCK_M)).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         tok_slot = tl.load(sorted_ids_ptr + offs_m)
         m_mask = tok_slot < num_valid
@@ -126,8 +231,18 @@ def gate_up_kernel(
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
         g_ptrs = w13_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
         g_row = (slot * 2 * I + pid_n * BLOCK_N).to(tl.int32)  # TMA_W: in the [S*2I, H] view
-        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I, m_mask, n_mask,
-                                    H, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, CT, UPCAST)
+        if A8:
+            g1, g2, u1, u2 = _gate_up_acc_a8(a_ptrs, stride_xl, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I,
+                                             m_mask, n_mask, H, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K,
+                                             TMA_W)
+            xs1 = tl.load(xs_ptr + 2 * tok, mask=m_mask, other=0.0)[:, None]
+            xs2 = tl.load(xs_ptr + 2 * tok + 1, mask=m_mask, other=0.0)[:, None]
+            acc_g = g1.to(tl.float32) * xs1 + g2.to(tl.float32) * xs2
+            acc_u = u1.to(tl.float32) * xs1 + u2.to(tl.float32) * xs2
+        else:
+            acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I, m_mask,
+                                        n_mask, H, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, CT,
+                                        UPCAST)
         h = _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n[None, :], n_mask[None, :], I, stride_se, stride_sn,
                      INT8_W)
         h_ptrs = h_ptr + tl.where(m_mask, tok_slot, 0).to(tl.int64)[:, None] * stride_hm \
@@ -145,7 +260,7 @@ def down_kernel(
     stride_se, stride_sn,
     stride_ym, stride_yh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
+    ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """y[n, :] = topk_w[n] * (w2_s @ h[n, :]) summed in fp32, stored in y's dtype (fp32, or bf16
@@ -161,7 +276,7 @@ def down_kernel(
     num_pid_n = tl.cdiv(H, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
-        slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+        slot = tl.load(block_slot_ptr + pid_m // (ALIGN_M // BLOCK_M)).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         tok_slot = tl.load(sorted_ids_ptr + offs_m)
         m_mask = tok_slot < num_valid

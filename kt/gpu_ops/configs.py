@@ -50,11 +50,12 @@ def _check_launch(cls, warps, stages, wname="num_warps", sname="num_stages"):
 class MoEConfig:
     """Sorted path: tile sizes and launch parameters of the gate+up and the down kernel.
 
-    block_m rows of sorted token-slots per program (also the alignment of each slot's rows, so both
-    kernels share it), block_n output columns, block_k reduction depth per step; group_m row blocks walk
-    the columns together (L2 reuse of weight tiles); num_warps / num_stages as in Triton. The down_*
-    fields, when set, replace the matching field for the down kernel only (its K = I is often short and
-    its N = H wide, so its best tiles differ).
+    block_m rows of sorted token-slots per program, block_n output columns, block_k reduction depth per
+    step; group_m row blocks walk the columns together (L2 reuse of weight tiles); num_warps /
+    num_stages as in Triton. The down_* fields, when set, replace the matching field for the down
+    kernel only (its K = I is often short and its N = H wide, so its best tiles differ). Each slot's
+    rows are padded to ``align_m`` = the larger of block_m and down_block_m (powers of two, so the
+    smaller divides it), which both kernels share.
 
     tma: load the weight tiles through TMA descriptors (Hopper and later, weights contiguous with
     16-byte aligned rows; elsewhere the kernels keep pointer loads). flatten / down_flatten: flatten
@@ -62,6 +63,12 @@ class MoEConfig:
     epilogue runs; such a kernel runs one program per SM. On the H200 (session 8,
     benchmarks/gpu_prefill_probe.py, qwen3 T=4096): TMA took gate+up from 138 to 124 us; TMA, a
     flattened loop and bf16 y (fused_moe's choice for bf16 outputs) took the down GEMM from 91 to 67.
+
+    a8 (int8 weights only; fused_moe refuses it otherwise): the gate+up GEMM takes x as two int8
+    levels per token (``act_quant2``: about 15 bits of each row, where bf16 keeps 8 of each value)
+    and runs on the int8 tensor cores, exact int32 sums, instead of converting every int8 weight
+    tile to the compute dtype in the loop. Two int8 products cost what one bf16 product does, and
+    the weight tiles go straight from memory to the tensor cores.
     """
 
     block_m: int = 64
@@ -78,14 +85,16 @@ class MoEConfig:
     tma: bool = False
     flatten: bool = False
     down_flatten: bool | None = None
+    a8: bool = False
+    down_block_m: int | None = None  # last: configs are also built positionally
 
     def __post_init__(self):
-        for f in ("tma", "flatten", "down_flatten"):
+        for f in ("tma", "flatten", "down_flatten", "a8"):
             v = getattr(self, f)
             if not (isinstance(v, bool) or (v is None and f == "down_flatten")):
                 raise ValueError(f"MoEConfig.{f} must be a bool, got {v!r}")
         _check_pow2("MoEConfig", self, ("block_m", "block_n", "block_k"), 16)
-        _check_pow2("MoEConfig", self, [f for f in ("down_block_n", "down_block_k")
+        _check_pow2("MoEConfig", self, [f for f in ("down_block_m", "down_block_n", "down_block_k")
                                         if getattr(self, f) is not None], 16)
         for f in ("group_m", "down_group_m"):
             v = getattr(self, f)
@@ -97,20 +106,25 @@ class MoEConfig:
                           self.num_stages if self.down_num_stages is None else self.down_num_stages,
                           "down_num_warps", "down_num_stages")
 
+    @property
+    def align_m(self) -> int:
+        """Rows each slot's token-slots are padded to (shared by both kernels)."""
+        return max(self.block_m, self.down_block_m or self.block_m)
+
     def for_down(self) -> "MoEConfig":
         """The config the down kernel runs with (down_* fields applied)."""
         own = {}
-        for f in ("block_n", "block_k", "group_m", "num_warps", "num_stages", "flatten"):
+        for f in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "flatten"):
             v = getattr(self, "down_" + f)
             own[f] = getattr(self, f) if v is None else v
-        return MoEConfig(block_m=self.block_m, tma=self.tma, **own)
+        return MoEConfig(tma=self.tma, **own)
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
         return cls(**_known_fields(cls, d))
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and not (k == "a8" and not v)}
 
 
 @dataclass(frozen=True)

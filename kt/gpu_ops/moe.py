@@ -22,7 +22,7 @@ import torch
 from .configs import DirectConfig, MoEConfig, load_table, pick_config, table_name
 
 __all__ = ["fused_moe", "align_by_slot", "gate_up", "down", "combine", "direct_gate_up", "direct_down",
-           "y_dtype_for", "kernels_interpreted"]
+           "act_quant2", "y_dtype_for", "kernels_interpreted"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -35,6 +35,9 @@ _kernels_mod = None
 _ALIGN_ONE_PROGRAM_MAX_N = 1024
 _FILL = 1024  # sorted_ids entries the one-program offsets step sets to the sentinel per store
 _PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer if there are fewer tiles)
+# act_quant2: elements of x per program (whole rows kept in registers up to this H). H200, qwen3
+# T=4096 H=2048: one row per program in three passes took 26 us.
+_ACT_QUANT_ELEMS = 8192
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
 
 
@@ -206,6 +209,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         return out
     if config is not None and not isinstance(config, (MoEConfig, DirectConfig)):
         raise TypeError(f"fused_moe: config must be a MoEConfig or DirectConfig, got {type(config).__name__}")
+    if isinstance(config, MoEConfig) and config.a8 and w13.dtype != torch.int8:
+        raise ValueError(f"fused_moe: MoEConfig.a8 (two-level int8 activations) needs int8 weights, "
+                         f"weights are {w13.dtype}")
     interp = kernels_interpreted()
     if x.device.type == "cpu" and not interp:
         raise RuntimeError("fused_moe: CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -226,12 +232,12 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         direct_down(hbuf, w2, w2_scale, topk_weights, ids, e2s, out, config)
         return out
 
-    slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s,
-                                                               config.block_m)
+    align = config.align_m
+    slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s, align)
     programs = _INTERPRETER_PROGRAMS if interp else _PROGRAMS_PER_SM * _num_sms(_dev_index(x.device))
-    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs)
+    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align)
     y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config.for_down(), programs,
-             y_dtype_for(out.dtype))
+             y_dtype_for(out.dtype), align)
     combine(y, slot32, out)
     return out
 
@@ -282,34 +288,67 @@ def _weight_desc(w, config):
     return desc.from_tensor(w.view(-1, w.shape[2]), [config.block_n, config.block_k]), True
 
 
-def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config, compute_dtype, programs):
-    """h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left unwritten)."""
+def _align_of(config, align_m):
+    align_m = config.block_m if align_m is None else align_m
+    if align_m % config.block_m:
+        raise ValueError(f"row blocks of {config.block_m} do not divide the alignment {align_m}")
+    return align_m
+
+
+def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config, compute_dtype, programs,
+            align_m=None):
+    """h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left unwritten).
+    align_m: the block size align_by_slot ran with (default config.block_m; a multiple of it)."""
     kern = _kernels()
     t = x.shape[0]
     n = t * top_k
     inter = w13.shape[1] // 2
     int8w = w13.dtype == torch.int8
-    xc = x.contiguous()
+    a8 = int8w and config.a8
+    if a8:
+        xc, xs = act_quant2(x)
+        xc_strides = (xc.stride(1), xc.stride(2), xc.stride(0))
+    else:
+        xc = x.contiguous()
+        xs = xc  # any tensor: not read without A8
+        xc_strides = (xc.stride(0), xc.stride(1), 0)
     hbuf = torch.empty((n, inter), dtype=compute_dtype, device=x.device)
     s13 = w13_scale if int8w else w13  # any tensor: not read when INT8_W is off
     s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
     wd, tma = _weight_desc(w13, config)
     kern.gate_up_kernel[_grid(block_slot, inter, config, programs)](
-        xc, w13, wd, s13, hbuf, sorted_ids, block_slot, num_padded,
+        xc, w13, wd, s13, hbuf, sorted_ids, block_slot, num_padded, xs,
         n, x.shape[1], inter, top_k,
-        xc.stride(0), xc.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        *xc_strides, w13.stride(0), w13.stride(1), w13.stride(2),
         *s13_strides, hbuf.stride(0), hbuf.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        ALIGN_M=_align_of(config, align_m), INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
+        A8=a8, num_warps=config.num_warps, num_stages=config.num_stages)
     return hbuf
 
 
+def act_quant2(x):
+    """Two-level per-token int8 of x [T, H] (kt.reference.quantize_act2, ties rounded away from
+    zero): (q [2, T, H] int8, s [T, 2] fp32) with x ~ s[:, 0:1] * q[0] + s[:, 1:2] * q[1], which
+    keeps about 15 bits of each row (error at most amax / 64516 per element, where bf16 keeps 8
+    bits of each value). One launch; each program takes whole rows (8192 elements)."""
+    t, h = x.shape
+    q = torch.empty((2, t, h), dtype=torch.int8, device=x.device)
+    s = torch.empty((t, 2), dtype=torch.float32, device=x.device)
+    if t:
+        block_h = min(_ACT_QUANT_ELEMS, _np2(h))
+        rows = min(_ACT_QUANT_ELEMS // block_h, _np2(t))
+        _kernels().act_quant2_kernel[(-(-t // rows),)](x, q, s, t, h, x.stride(0), x.stride(1), q.stride(0),
+                                                       q.stride(1), ROWS=rows, BLOCK_H=block_h,
+                                                       ONE_PASS=block_h >= h, num_warps=8)
+    return q, s
+
+
 def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs,
-         y_dtype=torch.float32):
+         y_dtype=torch.float32, align_m=None):
     """y [N, H] (y_dtype: fp32, or bf16 to halve the combine's reads) = topk_weight * (w2 @ h),
     summed in fp32, per GPU token-slot (other rows left unwritten).
-    config: the down kernel's own (MoEConfig.for_down())."""
+    config: the down kernel's own (MoEConfig.for_down()); align_m as for gate_up."""
     kern = _kernels()
     n, inter = hbuf.shape
     h = w2.shape[1]
@@ -325,7 +364,7 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         *s2_strides, y.stride(0), y.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype], UPCAST=kernels_interpreted(),
+        ALIGN_M=_align_of(config, align_m), INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype], UPCAST=kernels_interpreted(),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return y
 

@@ -169,3 +169,36 @@ def _align_check(device, t, k, e2s_list, block_m, seed, align_by_slot):
         assert torch.all(slot[real.long()] == block_slot[b]), f"block {b}: a row of another slot"
         seen += real.tolist()
     assert sorted(seen) == sorted(torch.nonzero(slot >= 0).flatten().tolist()), "GPU token-slots not each once"
+
+
+def act_quant2_case(device, t, h, seed, dtype="fp32"):
+    """moe.act_quant2 vs kt.reference.quantize_act2 on rows of very different sizes (one all-zero
+    row, one with a NaN). Level-1 scales: the same fp32 formula (rtol 1e-6, a GPU's division may
+    differ by an ulp); level-2 scales within 0.5 % (the residual, see below); codes: equal except at rounding ties and where the GPU fuses the residual's multiply
+    and subtract (at most one code apart, few of them); reconstruction: within half a level-2 step
+    of x (the two-level bound), up to fp32 rounding of the sum. Level-2 codes differ more often: a
+    GPU forms the residual x - q1 * s1 with one fused multiply-add (the reference rounds the
+    product first), which moves the residual by up to 2^-24 * 127 * s1, about 0.2 % of a level-2
+    step, so codes within that of a rounding boundary may flip."""
+    from kt.gpu_ops import moe
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen) * torch.logspace(-3, 3, t)[:, None]
+    x = x.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    x[0] = 0
+    x[t - 1, h // 2] = float("nan")
+    q, s = moe.act_quant2(x.to(device))
+    q, s = q.cpu(), s.cpu()
+    xf = R.to_numpy_f32(x[: t - 1])
+    q1, s1, q2, s2 = R.quantize_act2(xf)
+    assert np.allclose(s[: t - 1, 0].numpy(), s1, rtol=1e-6, atol=0), (s[:, 0], s1)
+    assert np.allclose(s[: t - 1, 1].numpy(), s2, rtol=5e-3, atol=0), (s[:, 1], s2)  # the fused residual
+    for lvl, ref, frac in ((0, q1, 2e-3), (1, q2, 2e-2)):
+        d = np.abs(q[lvl, : t - 1].numpy().astype(np.int32) - ref.astype(np.int32))
+        assert d.max() <= 1 and (d > 0).sum() <= max(2, frac * d.size), (lvl, d.max(), (d > 0).sum(), d.size)
+    sk = s.numpy()
+    recon = sk[: t - 1, 0:1] * q[0, : t - 1].numpy() + sk[: t - 1, 1:2] * q[1, : t - 1].numpy()
+    bound = 0.5 * sk[: t - 1, 1:2] + 1e-6 * np.abs(xf).max(axis=1, keepdims=True)
+    assert np.all(np.abs(xf - recon) <= bound), float(np.max(np.abs(xf - recon) - bound))
+    assert torch.equal(q[:, 0], torch.zeros(2, h, dtype=torch.int8)) and torch.equal(s[0], torch.zeros(2))
+    assert torch.isinf(s[t - 1, 0]), s[t - 1]  # the NaN row: its outputs become NaN

@@ -64,6 +64,8 @@ def test_table_name():
     (dict(num_stages=0), "num_stages"),
     (dict(group_m=0), "group_m"),
     (dict(down_block_n=48), "down_block_n must be a power of two"),
+    (dict(down_block_m=8), "down_block_m must be a power of two >= 16"),
+    (dict(a8="yes"), "a8 must be a bool"),
     (dict(down_num_warps=3), "down_num_warps"),
     (dict(down_num_stages=9), "down_num_stages"),
     (dict(down_group_m=0), "down_group_m"),
@@ -92,6 +94,10 @@ def test_down_fields_and_round_trips():
     d = c.for_down()
     assert (d.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages) == (128, 128, 64, 8, 3)
     assert MoEConfig().for_down() == MoEConfig()
+    own = MoEConfig(block_m=64, down_block_m=128)
+    assert own.align_m == 128 and own.for_down().block_m == 128 and own.for_down().align_m == 128
+    assert MoEConfig(block_m=128, down_block_m=32).align_m == 128 and MoEConfig(block_m=32).align_m == 32
+    assert config_from_dict(own.to_dict()) == own
     assert config_from_dict(c.to_dict()) == c and "down_block_k" not in c.to_dict()
     assert DirectConfig(gate_up="pairs", block_n=2).block_n == 2
     dc = DirectConfig(gate_up="pairs", block_n=4, down_block_n=4)

@@ -59,6 +59,46 @@ def test_sorted_path_tma_and_flatten(run_case, cfg, t, k, h, i, dtype):
     run_case(_cases.fused_case, t, 8, k, h, i, E2S_A, dtype, 500 + t + k, 0.1, dict(group_m=2, **cfg))
 
 
+@pytest.mark.parametrize("cfg,t,k,h,i", [
+    # two-level int8 activations on int8 tensor cores: tails in H (block_k) and I (block_n),
+    # pointer and TMA weight tiles, a flattened tile loop
+    (dict(block_m=16, block_n=32, block_k=64, a8=True), 33, 4, 160, 96),
+    (dict(block_m=32, block_n=64, block_k=32, tma=True, a8=True), 9, 3, 96, 80),
+    (dict(block_m=16, block_n=16, block_k=64, tma=True, flatten=True, a8=True), 17, 4, 128, 40),
+])
+def test_sorted_path_two_level_int8_activations(run_case, cfg, t, k, h, i):
+    run_case(_cases.fused_case, t, 8, k, h, i, E2S_A, "int8", 600 + t + k, 0.1, dict(group_m=2, **cfg))
+
+
+@pytest.mark.parametrize("cfg,t,k,h,i,dtype", [
+    # each kernel with its own row block; slots padded to the larger (MoEConfig.align_m)
+    (dict(block_m=16, down_block_m=32, block_n=32, block_k=32), 33, 4, 96, 80, "fp32"),
+    (dict(block_m=32, down_block_m=16, block_n=16, block_k=64, tma=True, a8=True), 21, 3, 128, 48, "int8"),
+    (dict(block_m=16, down_block_m=64, block_n=32, block_k=64, flatten=True), 9, 8, 64, 32, "bf16"),
+])
+def test_sorted_path_own_row_blocks(run_case, cfg, t, k, h, i, dtype):
+    run_case(_cases.fused_case, t, 8, k, h, i, E2S_A, dtype, 700 + t + k, 0.1, dict(group_m=2, **cfg))
+
+
+# (rows per program: 8 at H=64, 2 at H=2500 (37 rows: a partial last program); H=9000 is read in
+# three passes)
+@pytest.mark.parametrize("t,h,dtype", [(5, 64, "fp32"), (37, 2500, "fp32"), (4, 96, "bf16"), (3, 9000, "fp32")])
+def test_act_quant2_vs_reference(run_case, t, h, dtype):
+    run_case(_cases.act_quant2_case, t, h, 7 + t + h, dtype)
+
+
+def test_a8_needs_int8_weights():
+    from kt.gpu_ops.configs import MoEConfig
+
+    a = _args()
+    with pytest.raises(ValueError, match="a8 .* needs int8 weights"):
+        fused_moe(a["x"], a["topk_ids"], a["topk_weights"], a["expert_to_slot"], a["w13"], a["w2"],
+                  config=MoEConfig(a8=True))
+    with pytest.raises(ValueError, match="a8 must be a bool"):
+        MoEConfig(a8=1)
+    assert "a8" not in MoEConfig().to_dict() and MoEConfig(a8=True).to_dict()["a8"] is True
+
+
 def test_tma_only_where_the_weights_allow():
     from kt.gpu_ops import moe
     from kt.gpu_ops.configs import MoEConfig
