@@ -38,6 +38,7 @@ _PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer i
 # act_quant2: elements of x per program (whole rows kept in registers up to this H). H200, qwen3
 # T=4096 H=2048: one row per program in three passes took 26 us.
 _ACT_QUANT_ELEMS = 8192
+_ACT_QUANT_WARPS = 8
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
 
 
@@ -340,7 +341,7 @@ def act_quant2(x):
         rows = min(_ACT_QUANT_ELEMS // block_h, _np2(t))
         _kernels().act_quant2_kernel[(-(-t // rows),)](x, q, s, t, h, x.stride(0), x.stride(1), q.stride(0),
                                                        q.stride(1), ROWS=rows, BLOCK_H=block_h,
-                                                       ONE_PASS=block_h >= h, num_warps=8)
+                                                       ONE_PASS=block_h >= h, num_warps=_ACT_QUANT_WARPS)
     return q, s
 
 
