@@ -16,6 +16,9 @@ def test_heuristic_regimes():
     # Monotone in T: block_m never shrinks as T grows.
     ms = [pick_config(t, 8, 32, 2048, 768, "bf16").block_m for t in (16, 64, 256, 1024, 4096)]
     assert ms == sorted(ms)
+    # int8 weights with many rows per slot: two-level int8 activations; never for float weights
+    assert pick_config(4096, 8, 32, 2048, 768, "int8").a8 and not pick_config(64, 8, 32, 2048, 768, "int8").a8
+    assert not any(pick_config(t, 8, 32, 2048, 768, "bf16").a8 for t in (64, 4096))
 
 
 def test_pick_config_is_pure():
