@@ -200,6 +200,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     out[t] = sum over k with a GPU slot s of topk_weights[t, k] * w2[s] @ (silu(gate_s x_t) * up_s x_t),
     with fp32 accumulation; the SiLU*up intermediate is rounded to the compute dtype (the weights'
     float dtype, or x's for int8 weights) before the down GEMM. A token with no GPU expert gets zeros.
+    With int8 weights a config may set ``a8`` (the tuned tables and the heuristic do for large T):
+    the gate+up then takes x as two int8 levels per token (``act_quant2``, error at most amax/64516
+    per element) and sums exactly in int32 on the int8 tensor cores.
     config: a MoEConfig (sorted path) or DirectConfig (direct path) to force; default from the tuned
     table for this GPU, else the heuristic. Both paths compute the same sums (in other orders).
     """
@@ -247,12 +250,13 @@ def _dev_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _grid(block_slot, inter_or_h, config, programs):
+def _grid(block_slot, inter_or_h, config, programs, align_m):
     # Worst-case tiles (every row block in use) bound the persistent grid; a flattened tile loop
     # keeps one program per SM (its next tile's loads overlap this one's epilogue instead).
     if config.flatten:
         programs = max(1, programs // _PROGRAMS_PER_SM)
-    return (max(1, min(programs, block_slot.numel() * -(-inter_or_h // config.block_n))),)
+    row_blocks = block_slot.numel() * (align_m // config.block_m)
+    return (max(1, min(programs, row_blocks * -(-inter_or_h // config.block_n))),)
 
 
 def y_dtype_for(out_dtype):
@@ -317,14 +321,15 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
     s13 = w13_scale if int8w else w13  # any tensor: not read when INT8_W is off
     s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
     wd, tma = _weight_desc(w13, config)
-    kern.gate_up_kernel[_grid(block_slot, inter, config, programs)](
+    align_m = _align_of(config, align_m)
+    kern.gate_up_kernel[_grid(block_slot, inter, config, programs, align_m)](
         xc, w13, wd, s13, hbuf, sorted_ids, block_slot, num_padded, xs,
         n, x.shape[1], inter, top_k,
         *xc_strides, w13.stride(0), w13.stride(1), w13.stride(2),
         *s13_strides, hbuf.stride(0), hbuf.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        ALIGN_M=_align_of(config, align_m), INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
-        A8=a8, num_warps=config.num_warps, num_stages=config.num_stages)
+        ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype],
+        UPCAST=kernels_interpreted(), A8=a8, num_warps=config.num_warps, num_stages=config.num_stages)
     return hbuf
 
 
@@ -359,14 +364,15 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
     s2 = w2_scale if int8w else w2
     s2_strides = (s2.stride(0), s2.stride(1)) if int8w else (0, 0)
     wd, tma = _weight_desc(w2, config)
-    kern.down_kernel[_grid(block_slot, h, config, programs)](
+    align_m = _align_of(config, align_m)
+    kern.down_kernel[_grid(block_slot, h, config, programs, align_m)](
         hbuf, w2, wd, s2, y, rw, sorted_ids, block_slot, num_padded,
         n, h, inter,
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         *s2_strides, y.stride(0), y.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        ALIGN_M=_align_of(config, align_m), INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype], UPCAST=kernels_interpreted(),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype],
+        UPCAST=kernels_interpreted(), num_warps=config.num_warps, num_stages=config.num_stages)
     return y
 
 

@@ -174,8 +174,9 @@ def _align_check(device, t, k, e2s_list, block_m, seed, align_by_slot):
 def act_quant2_case(device, t, h, seed, dtype="fp32"):
     """moe.act_quant2 vs kt.reference.quantize_act2 on rows of very different sizes (one all-zero
     row, one with a NaN). Level-1 scales: the same fp32 formula (rtol 1e-6, a GPU's division may
-    differ by an ulp); level-2 scales within 0.5 % (the residual, see below); codes: equal except at rounding ties and where the GPU fuses the residual's multiply
-    and subtract (at most one code apart, few of them); reconstruction: within half a level-2 step
+    differ by an ulp); level-2 scales within 0.5 % (the residual, see below); codes: equal except
+    at rounding ties and where the GPU fuses the residual's multiply and subtract (at most one
+    code apart, few of them); reconstruction: within half a level-2 step
     of x (the two-level bound), up to fp32 rounding of the sum. Level-2 codes differ more often: a
     GPU forms the residual x - q1 * s1 with one fused multiply-add (the reference rounds the
     product first), which moves the residual by up to 2^-24 * 127 * s1, about 0.2 % of a level-2
