@@ -51,7 +51,7 @@ from numba.extending import intrinsic, overload
 
 from . import cache as _cache
 from .actquant import _u32_as_f32, bf16_bits_to_f32, bf16_row, f32_to_bf16_bits, quant_row_i8
-from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, atomic_add,
+from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, JOB_WATCHDOG, atomic_add,
                    atomic_load, atomic_store, flag_load, flag_store, icall_codegen,
                    native_address, spin_relax)
 
@@ -85,7 +85,9 @@ S_GCH = 283   # rows per gate+up kernel call (the A_XGS rows of a participant)
 S_GUS = 284   # rows of a participant's A_GUS (0: whole-expert tasks write the shared gu rows)
 S_TAIL = 285  # whole-expert chunks: this many of the smallest experts are split into part tasks
 S_TAILP = 286  # ... their gate+up into about this many tasks, their down into half as many
-DESC_WORDS = 287  # the words above (a layer's template covers them all)
+S_WATCH = 287  # time-stamp-counter ticks a participant waits for another's work before it aborts
+               # the job (JOB_WATCHDOG), 0 = forever (CPUMoE.watchdog_s)
+DESC_WORDS = 288  # the words above (a layer's template covers them all)
 R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
 RESULT_WORDS = 5
 
@@ -275,7 +277,7 @@ def _put_slot(desc, slot, a):
 
 @njit(cache=True)
 def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13,
-             bpt2, levels, prof, gate, done, result, pipe, tail, tailp):
+             bpt2, levels, prof, gate, done, result, pipe, tail, tailp, watch):
     """Write the per-call words of ``desc``: the array slots (x, out, ids, tw, mask) and the call's
     scalars (one jitted call instead of five numpy ``.ctypes`` look-ups and ~15 item stores)."""
     _put_slot(desc, A_X, x)
@@ -300,6 +302,7 @@ def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_
     desc[S_PIPE] = pipe
     desc[S_TAIL] = tail
     desc[S_TAILP] = tailp
+    desc[S_WATCH] = watch
 
 
 @njit(cache=True)
@@ -457,21 +460,33 @@ def _plan(t0, t1, ids, mask, pos, rslot, offs, order, tasks13, tasks2, nb13, nb2
 # ----------------------------------------------------------------------------- phase barrier
 
 @njit(nogil=True, cache=True)
-def _wait_at_least(jctrl, words, idx, n):
-    """Spin until words[idx] >= n; False if the job was aborted (meanwhile or at the end)."""
+def _wait_at_least(jctrl, words, idx, n, limit):
+    """Spin until words[idx] >= n; False if the job was aborted (meanwhile or at the end). After
+    ``limit`` time-stamp-counter ticks (> 0; checked every 4096 spins) it gives up: it marks the
+    job JOB_WATCHDOG and aborts it, so a task that never completes (a planning bug) ends the call
+    with an error at wait() instead of hanging every participant."""
     i = 0
+    t0 = np.int64(0)
     while atomic_load(words, idx) < n:
         if atomic_load(jctrl, JOB_ABORT) != 0:
             return False
         i += 1
+        if limit > 0 and (i & 4095) == 0:
+            now = cycles()
+            if t0 == 0:
+                t0 = now
+            elif now - t0 > limit:
+                atomic_store(jctrl, JOB_WATCHDOG, 1)
+                atomic_store(jctrl, JOB_ABORT, 1)
+                return False
         spin_relax(i, 1024)
     return atomic_load(jctrl, JOB_ABORT) == 0
 
 
 @njit(nogil=True, cache=True)
-def _wait_phase(jctrl, base, n):
+def _wait_phase(jctrl, base, n, limit):
     """Spin until the phase at ``base`` has n tasks done; False if the job was aborted."""
-    return _wait_at_least(jctrl, jctrl, base + CTRL_STRIDE, n)
+    return _wait_at_least(jctrl, jctrl, base + CTRL_STRIDE, n, limit)
 
 
 @njit(nogil=True, cache=True)
@@ -824,7 +839,7 @@ def moe_job(nth, jctrl, desc):
                         if pa != 0:
                             c_w = cycles()
                             prof[2, 0] += c_w - tc
-                        ok = _wait_at_least(jctrl, dep, e * DEP_STRIDE + 1, 1)  # e's activations
+                        ok = _wait_at_least(jctrl, dep, e * DEP_STRIDE + 1, 1, desc[S_WATCH])  # e's act
                         if pa != 0:
                             tc = cycles()
                             prof[4, 1] += tc - c_w
@@ -881,7 +896,7 @@ def moe_job(nth, jctrl, desc):
                     prof[ph, 0] += cycles() - tc
                 atomic_add(jctrl, base + CTRL_STRIDE, 1)
             tw0 = cycles() if pa != 0 else 0
-            ok = _wait_phase(jctrl, base, n)
+            ok = _wait_phase(jctrl, base, n, desc[S_WATCH])
             if pa != 0:
                 prof[ph, 1] += cycles() - tw0
             if not ok:

@@ -27,6 +27,7 @@ __all__ = ["CPUMoE", "MoEHandle", "GatedHandle", "GateResult", "gemv_max_rows"]
 _SCHEME_CODE = {QuantScheme.INT8: drv.SCHEME_INT8, QuantScheme.INT4: drv.SCHEME_INT4,
                 QuantScheme.BF16: drv.SCHEME_BF16}
 MAX_CHUNKS_PER_JOB = 24
+DEFAULT_WATCHDOG_S = 600.0  # CPUMoE.watchdog_s
 
 
 def gemv_max_rows(scheme: QuantScheme, variant: str) -> int:
@@ -312,6 +313,7 @@ class CPUMoE:
         self.pipelined_decode = True
         self.tail_experts = None
         self.tail_parts = 4
+        self.watchdog_s = DEFAULT_WATCHDOG_S
         self._all_cpu = np.ones(E, np.uint8)
         self._prof: np.ndarray | None = None  # set by profile(): [threads, phases, 2] cycles
         self._wdesc = self._weight_desc()
@@ -383,6 +385,22 @@ class CPUMoE:
     @tail_parts.setter
     def tail_parts(self, n: int) -> None:
         self._tail_parts = _count("tail_parts", n)
+
+    @property
+    def watchdog_s(self) -> float | None:
+        """Seconds a pool thread waits inside a call for another thread's work before it gives
+        up: the call then ends with a RuntimeError (caused by a TimeoutError) at ``wait()``
+        instead of hanging, and the pool stays usable. Legitimate waits inside one call last at
+        most one expert's GEMM; the default (600 s) only catches a task that never completes (a
+        bug). None or 0: wait forever. Waiting for a CUDA stream's start flag is not covered."""
+        return self._watchdog_s
+
+    @watchdog_s.setter
+    def watchdog_s(self, s: float | None) -> None:
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating))
+                              or not np.isfinite(s) or s < 0):
+            raise ValueError(f"CPUMoE.watchdog_s must be a non-negative number of seconds or None, got {s!r}")
+        self._watchdog_s = float(s) if s else None
 
     @property
     def pool(self) -> CpuPool:
@@ -667,7 +685,7 @@ class CPUMoE:
                          self.levels, 0 if prof is None else prof.ctypes.data, start, done,
                          0 if words is None else words.ctypes.data, int(self.pipelined_decode),
                          pool.num_threads if self.tail_experts is None else self.tail_experts,
-                         self.tail_parts)
+                         self.tail_parts, int(self._watchdog_s * tsc_hz()) if self._watchdog_s else 0)
             return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self, words))
 
         return launch

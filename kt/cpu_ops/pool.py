@@ -22,6 +22,8 @@ else uses hurts), or ``pin=True``.
 
 An exception raised by a participant is re-raised by ``handle.wait()`` (after every participant
 left the job); it sets ``jctrl[JOB_ABORT]`` so that the others stop early. The pool stays usable.
+A native job that gives up a wait (its own watchdog) sets ``jctrl[JOB_WATCHDOG]`` and aborts:
+``wait()`` then raises a TimeoutError-caused RuntimeError instead of hanging.
 ``shutdown()`` (also run at interpreter exit, and when the pool is garbage-collected) joins cleanly.
 """
 from __future__ import annotations
@@ -48,7 +50,7 @@ _cache.install()
 
 __all__ = ["CpuPool", "PoolHandle", "default_pool", "numa_nodes", "atomic_load", "atomic_store",
            "atomic_add", "cpu_pause", "spin_relax", "flag_load", "flag_store", "CTRL_STRIDE", "JOB_ABORT",
-           "JOB_COMPLETE", "JOB_FREE"]
+           "JOB_COMPLETE", "JOB_FREE", "JOB_WATCHDOG"]
 
 # One control word per 128 bytes so that counters written by different threads never share a line.
 CTRL_STRIDE = 16
@@ -247,7 +249,8 @@ JOB_ABORT = 0
 JOB_COMPLETE = CTRL_STRIDE
 JOB_JOIN = 2 * CTRL_STRIDE
 _JOB_PYDONE = 3 * CTRL_STRIDE
-JOB_FREE = 4 * CTRL_STRIDE
+JOB_WATCHDOG = 4 * CTRL_STRIDE  # set by a native job that gave up a wait and aborted itself
+JOB_FREE = 5 * CTRL_STRIDE
 JCTRL_SIZE = 8192  # int64 words
 
 # pool control words (ctrl)
@@ -684,6 +687,12 @@ class CpuPool:
             # a participant failed: the others may still be inside the job
             while not _spin_idle(st.ctrl, 1000):
                 time.sleep(0.0002)
+            if _load_gil(st.jctrl, JOB_WATCHDOG) and job.native:
+                job.errors.append(("watchdog", TimeoutError(
+                    "a participant waited longer than the job's watchdog allows for work that never "
+                    "finished, and aborted the job (the output is incomplete). With the default "
+                    "watchdog (CPUMoE.watchdog_s) this is a scheduling bug in kt: please report it "
+                    "with the call's shapes")))
         job.complete = True
         job.keep = None
 

@@ -442,6 +442,18 @@ def test_bad_tail_knobs(pool):
     m.tail_experts, m.tail_parts = None, 4  # the defaults (the layer is shared by other tests)
 
 
+def test_watchdog_knob(pool):
+    m = layer("int8", "double", pool=pool)[0]
+    assert m.watchdog_s == 600.0
+    for bad in (-1, "10", True, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="CPUMoE.watchdog_s must be"):
+            m.watchdog_s = bad
+    m.watchdog_s = 0
+    assert m.watchdog_s is None
+    m.watchdog_s = np.float32(600)  # back to the default (the layer is shared by other tests)
+    assert m.watchdog_s == 600.0 and type(m.watchdog_s) is float
+
+
 def test_bad_input_errors(pool):
     m = layer("int8", "double", pool=pool, max_tokens=16)[0]
     H, E = m.hidden, m.num_experts

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from kt.cpu_ops.pool import (JOB_ABORT, JOB_COMPLETE, JOB_JOIN, CpuPool, atomic_add, atomic_load,
+from kt.cpu_ops._moe_driver import _wait_at_least
+from kt.cpu_ops.pool import (JOB_ABORT, JOB_COMPLETE, JOB_JOIN, JOB_WATCHDOG, CpuPool, atomic_add, atomic_load,
                              atomic_store, default_pool, numa_nodes)
 
 
@@ -34,6 +35,14 @@ def _failing_job(nth, jctrl, desc):
     # the others wait for the abort flag, as a job's barrier would
     while atomic_load(jctrl, JOB_ABORT) == 0:
         pass
+
+
+@njit(nogil=True)
+def _stuck_job(nth, jctrl, desc):
+    """Every participant waits, through the MoE driver's own wait, for desc[0] to reach 1, which
+    never happens: only the watchdog (desc[1] time-stamp ticks) ends the job."""
+    atomic_add(jctrl, JOB_JOIN, 1)
+    _wait_at_least(jctrl, desc, 0, 1, desc[1])
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +111,23 @@ def test_native_exception_surfaces_and_pool_stays_usable(pool):
     with pytest.raises(RuntimeError, match="boom from a native job"):
         pool.submit_native(_failing_job).wait()
     desc, _ = pool.begin(512)
+    desc[0], desc[1] = 10, 0
+    pool.submit_native(_count_job).wait()
+    assert desc[1] == 55
+
+
+def test_watchdog_ends_a_wait_that_never_finishes(pool):
+    from kt.cpu_ops.moe import tsc_hz
+
+    desc, jctrl = pool.begin()
+    desc[0], desc[1] = 0, int(0.05 * tsc_hz())
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="watchdog") as err:
+        pool.submit_native(_stuck_job).wait()
+    assert isinstance(err.value.__cause__, TimeoutError)
+    assert time.perf_counter() - t0 < 30 and jctrl[JOB_WATCHDOG] == 1
+    desc, jctrl = pool.begin(512)  # the pool is usable, and the next job starts unmarked
+    assert jctrl[JOB_WATCHDOG] == 0
     desc[0], desc[1] = 10, 0
     pool.submit_native(_count_job).wait()
     assert desc[1] == 55
