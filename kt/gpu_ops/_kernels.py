@@ -4,13 +4,14 @@ or int8 weight-only (per-output-row fp32 scales).
 Only @triton.jit code lives here; kt/gpu_ops/moe.py checks, allocates, picks the config and launches.
 
 Legend: T tokens, K top-k, H hidden, I intermediate, S GPU expert slots, N = T*K token-slots.
-A "token-slot" n = t*K + k is one (token, choice) pair. The wrapper sorts token-slots by expert slot into
-blocks of ALIGN_M rows (`sorted_ids`, padded with the sentinel N) and gives each block its slot
+A "token-slot" n = t*K + k is one (token, choice) pair. The wrapper sorts token-slots by expert slot
+into blocks of ALIGN_M rows (`sorted_ids`, padded with the sentinel N) and gives each block its slot
 (`block_slot`); a GEMM kernel's BLOCK_M divides ALIGN_M, so its row block b lies in aligned block
-b // (ALIGN_M // BLOCK_M); `num_padded[0]` is how many rows of `sorted_ids` are in use. The GEMM kernels are persistent:
-a fixed grid (about a few programs per SM) loops over the tiles of the row blocks in use, read from
-`num_padded` on the device, so nothing is read back to the host and no program is spent on the
-worst-case padding of the grid (most token-slots of a hybrid layer are on the CPU).
+b // (ALIGN_M // BLOCK_M); `num_padded[0]` is how many rows of `sorted_ids` are in use. The GEMM
+kernels are persistent: a fixed grid (about a few programs per SM) loops over the tiles of the row
+blocks in use, read from `num_padded` on the device, so nothing is read back to the host and no
+program is spent on the worst-case padding of the grid (most token-slots of a hybrid layer are on
+the CPU).
 
 Offsets inside one expert's weights (and scales) are 32-bit, with the expert's base and every activation
 row offset in 64 bits: 64-bit, clamped (tl.where) column offsets made the T=4096 GEMMs 1.6-3x slower on
