@@ -7,6 +7,8 @@ Environment variables (all optional):
 - ``KT_CACHE_DIR``: where compiled kernels are cached (default ``~/.cache/kt``).
 - ``KT_DEBUG=1``: log ISA detection and kernel selection.
 - ``KT_NUM_THREADS``: threads of the default CPU pool (default: the CPUs this process may use).
+- ``KT_GPU_TABLE``: a tuned launch-config table for the GPU kernels (a JSON file as
+  ``benchmarks/bench_gpu.py --tune`` writes), used instead of the packaged one for this GPU.
 """
 from __future__ import annotations
 
@@ -99,6 +101,7 @@ class KTConfig:
     cache_dir: Path = Path.home() / ".cache" / "kt"
     debug: bool = False
     num_threads: int | None = None
+    gpu_table: Path | None = None
 
     @classmethod
     def from_env(cls) -> "KTConfig":
@@ -116,8 +119,9 @@ class KTConfig:
                 raise ValueError(f"KT_NUM_THREADS must be an integer, got {threads!r}") from None
             if n <= 0:
                 raise ValueError(f"KT_NUM_THREADS must be positive, got {n}")
+        table = _env("KT_GPU_TABLE")
         return cls(cpu_variant=variant.lower() if variant else None, cache_dir=cache,
-                   debug=debug, num_threads=n)
+                   debug=debug, num_threads=n, gpu_table=Path(table).expanduser() if table else None)
 
 
 def get_config() -> KTConfig:

@@ -57,6 +57,19 @@ def _gpu_info() -> dict:
     return {"cuda_available": True, "cuda_version": torch.version.cuda, "gpus": gpus}
 
 
+def _launch_table(gpu: dict) -> str:
+    """Where the GPU kernels' launch configs come from on the first GPU (KT_GPU_TABLE, a packaged
+    tuned table, or the heuristic), or what is wrong with KT_GPU_TABLE."""
+    if _version("torch") is None:
+        return "n/a (torch not installed)"
+    from ..gpu_ops.configs import table_for_device
+
+    try:
+        return table_for_device(gpu["gpus"][0]["name"] if gpu["gpus"] else "")[1]
+    except (OSError, ValueError) as exc:
+        return f"ERROR: {exc}"
+
+
 def collect() -> dict:
     """Everything doctor reports, as plain data."""
     from ..config import get_config
@@ -88,6 +101,7 @@ def collect() -> dict:
     info["numa"] = numa_nodes()
     info["packages"] = {p: _version(p) for p in _PACKAGES}
     info["gpu"] = _gpu_info()
+    info["gpu"]["launch_table"] = _launch_table(info["gpu"])
     try:
         key_dir = str(cache.kernel_cache_dir(cpu["variant"])) if cpu["variant"] else None
     except Exception as exc:  # e.g. numba missing
@@ -160,6 +174,7 @@ def render(info: dict) -> str:
             lines.append(f"  cuda:{d['index']}         {d['name']}, {_gib(d['memory_bytes'])}")
     else:
         lines.append(f"  none           {g['reason']}")
+    lines.append(f"  launch table   {g['launch_table']}")
     k = info["cache"]
     lines += ["", "Kernel cache", f"  dir            {k['kernel_dir']}",
               f"  size           {k['size_bytes'] / 2**20:.1f} MiB under {k['root']}"]

@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 __all__ = ["MoEConfig", "DirectConfig", "DIRECT_MAX_N", "pick_config", "config_from_dict", "shape_key",
-           "table_name", "load_table"]
+           "table_name", "load_table", "table_for_device"]
 
 # Token-slots (T*K) up to which the direct path is the default. H200 (session 5, results/gpu_s5_*):
 # at T=1 it beat the sorted path (qwen3 bf16 20.9 vs 26.8 us, int8 20.5 vs 24.7, mixtral 110 vs
@@ -263,8 +263,41 @@ def load_table(name: str | None) -> dict:
     path = _TABLE_DIR / f"{name}.json"
     if not path.is_file():
         return {}
+    return _read_table(path)
+
+
+def _read_table(path: Path) -> dict:
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON file ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object of shape keys, found {type(data).__name__}")
-    return {k: v for k, v in data.items() if not k.startswith("_")}
+    table = {k: v for k, v in data.items() if not k.startswith("_")}
+    for key, entries in table.items():  # every entry must make a valid config: fail here, not mid-run
+        if not isinstance(entries, dict):
+            raise ValueError(f"{path}: {key} must map T to configs, found {type(entries).__name__}")
+        for t, entry in entries.items():
+            try:
+                int(t)
+                config_from_dict(entry)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}: {key} T={t}: {e}") from None
+    return table
+
+
+def table_for_device(device_name: str) -> tuple[dict, str]:
+    """(table, where it came from) for a GPU by name: the file KT_GPU_TABLE names (a table
+    ``benchmarks/bench_gpu.py --tune`` wrote for this GPU), else the packaged table for the GPU
+    (``table_name``), else {} and the heuristic."""
+    from ..config import get_config
+
+    path = get_config().gpu_table
+    if path is not None:
+        if not path.is_file():
+            raise ValueError(f"KT_GPU_TABLE={path}: no such file")
+        return _read_table(path), f"KT_GPU_TABLE={path}"
+    name = table_name(device_name)
+    table = load_table(name)
+    return (table, f"packaged {name}.json") if table else ({}, "none (the heuristic)")

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from .configs import DirectConfig, MoEConfig, load_table, pick_config, table_name
+from .configs import DirectConfig, MoEConfig, pick_config, table_for_device
 
 __all__ = ["fused_moe", "align_by_slot", "gate_up", "down", "combine", "direct_gate_up", "direct_down",
            "act_quant2", "y_dtype_for", "kernels_interpreted"]
@@ -57,7 +57,8 @@ def _kernels():
 
 @lru_cache(maxsize=None)
 def _device_table(index: int) -> dict:
-    return load_table(table_name(torch.cuda.get_device_name(index)))
+    # read once per GPU (KT_GPU_TABLE is looked at by the first call)
+    return table_for_device(torch.cuda.get_device_name(index))[0]
 
 
 @lru_cache(maxsize=4096)

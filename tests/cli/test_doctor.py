@@ -28,6 +28,21 @@ def test_doctor_json(capsys):
     assert "gpu" in info and isinstance(info["gpu"]["gpus"], list)
 
 
+def test_doctor_names_the_gpu_launch_table(capsys, monkeypatch, tmp_path):
+    assert main(["doctor", "--json"]) == 0
+    src = json.loads(capsys.readouterr().out)["gpu"]["launch_table"]
+    assert src.startswith(("packaged", "none")), src  # no KT_GPU_TABLE here
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"H64_I32_bf16": {"16": {"block_m": 16}}}))
+    monkeypatch.setenv("KT_GPU_TABLE", str(table))
+    assert main(["doctor"]) == 0
+    assert f"launch table   KT_GPU_TABLE={table}" in capsys.readouterr().out
+    table.write_text(json.dumps({"H64_I32_bf16": {"16": {"block_m": 24}}}))
+    assert main(["doctor", "--json"]) == 0
+    src = json.loads(capsys.readouterr().out)["gpu"]["launch_table"]
+    assert src.startswith("ERROR") and "block_m must be a power of two" in src, src
+
+
 def test_doctor_reports_a_bad_forced_variant(capsys, monkeypatch):
     monkeypatch.setenv("KT_CPU_VARIANT", "nonsense")
     assert main(["doctor", "--json"]) == 1

@@ -117,3 +117,30 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown fields"):
         MoEConfig.from_dict({"block_m": 16, "BLOCK_N": 32})
     json.dumps(MoEConfig().to_dict())
+
+
+def test_kt_gpu_table_overrides_the_packaged_table(monkeypatch, tmp_path):
+    from kt.gpu_ops.configs import table_for_device
+
+    monkeypatch.delenv("KT_GPU_TABLE", raising=False)
+    packaged, src = table_for_device("NVIDIA H200")
+    assert packaged and src == "packaged h200.json"
+    assert table_for_device("Some Future GPU") == ({}, "none (the heuristic)")
+    mine = {"H2048_I768_int8": {"64": {"block_m": 32, "a8": True}, "1": {"path": "direct", "block_n": 4,
+                                                                       "gate_up": "pairs"}}}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({**mine, "_comment": "tuned here"}))
+    monkeypatch.setenv("KT_GPU_TABLE", str(path))
+    table, src = table_for_device("NVIDIA H200")
+    assert table == mine and src == f"KT_GPU_TABLE={path}"
+    cfg = pick_config(64, 8, 32, 2048, 768, "int8", table)
+    assert cfg.block_m == 32 and cfg.a8
+    for bad, match in (("[1, 2]", "expected a JSON object"), ('{"k": [1]}', "k must map T to configs"),
+                       ('{"k": {"x": {}}}', "k T=x"), ('{"k": {"8": {"block_q": 1}}}', "unknown fields"),
+                       ("{oops", "not a JSON file")):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=match):
+            table_for_device("NVIDIA H200")
+    monkeypatch.setenv("KT_GPU_TABLE", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="KT_GPU_TABLE=.*no such file"):
+        table_for_device("NVIDIA H200")
