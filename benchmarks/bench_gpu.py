@@ -416,6 +416,18 @@ def pick_flags(gate_up_rows, down_rows):
     return best if best is not None else (False, False, False, None)
 
 
+def parse_shape(spec: str):
+    """"NAME=E,K,H,I,S" -> (NAME, shape dict) for SHAPES."""
+    try:
+        name, dims = spec.split("=")
+        e, k, h, i, s = (int(v) for v in dims.split(","))
+    except ValueError:
+        raise SystemExit(f"--add-shape: expected NAME=E,K,H,I,S (integers), got {spec!r}") from None
+    if min(e, k, h, i, s) <= 0 or k > e or s > e or not name:
+        raise SystemExit(f"--add-shape {spec!r}: need positive sizes with top-k and slots at most E")
+    return name, dict(E=e, K=k, H=h, I=i, S=s)
+
+
 def gu_config(MoEConfig, bm, cand, **kw):
     """The gate+up MoEConfig of a sweep candidate (block_n, block_k, group_m, num_warps, num_stages
     [, a8])."""
@@ -767,7 +779,12 @@ def main():
     ap.add_argument("--tune-T", default="", help="comma list: tune only these T (default: all of TUNE_CASES)")
     ap.add_argument("--tune-cases", default="",
                     help="comma list of shape:dtype:T to tune instead of TUNE_CASES (e.g. mixtral-8x7b:int8:64)")
+    ap.add_argument("--add-shape", action="append", default=[], metavar="NAME=E,K,H,I,S",
+                    help="another layer shape for --tune-cases (experts, top-k, hidden, intermediate, GPU "
+                         "slots), e.g. deepseek-v3=256,8,7168,2048,64; repeatable")
     args = ap.parse_args()
+    for spec in args.add_shape:
+        SHAPES.update([parse_shape(spec)])
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
     if args.out:
@@ -808,9 +825,11 @@ def main():
             with open(os.path.join(args.out, "h200.json"), "w") as f:
                 json.dump(table, f, indent=1, sort_keys=True)
     if args.tune:
-        from kt.gpu_ops.configs import load_table
+        from kt.gpu_ops.configs import table_for_device, table_name
 
-        shipped = load_table("h200")
+        gpu_name = torch.cuda.get_device_name()
+        shipped, source = table_for_device(gpu_name)  # the table this GPU uses now (KT_GPU_TABLE first)
+        log(f"tune: {gpu_name}, starting from {source}")
         keep_t = {int(v) for v in args.tune_T.split(",") if v}
         cases = TUNE_CASES
         if args.tune_cases:
@@ -825,11 +844,14 @@ def main():
             merged = {k: dict(v) for k, v in shipped.items()}
             for k, v in found.items():
                 merged.setdefault(k, {}).update(v)
-            merged["_comment"] = ("Tuned on an H200 by benchmarks/bench_gpu.py (S=32 slots for qwen3-30b-a3b, "
-                                  "S=4 for mixtral); key H{H}_I{I}_{weight dtype}, then T; entries with "
-                                  "\"path\": \"direct\" are the direct path's (T*K <= DIRECT_MAX_N).")
-            with open(os.path.join(args.out, "h200_tuned.json"), "w") as f:
+            merged["_comment"] = (f"Tuned on an {gpu_name} by benchmarks/bench_gpu.py (S=32 slots for "
+                                  "qwen3-30b-a3b, S=4 for mixtral); key H{H}_I{I}_{weight dtype}, then T; entries "
+                                  "with \"path\": \"direct\" are the direct path's (T*K <= DIRECT_MAX_N).")
+            # use it with KT_GPU_TABLE=<this file>, or ship it as kt/gpu_ops/configs/<name>.json
+            path = os.path.join(args.out, f"{table_name(gpu_name) or 'gpu'}_tuned.json")
+            with open(path, "w") as f:
                 json.dump(merged, f, indent=1, sort_keys=True)
+            log(f"tune: wrote {path}")
     if "sync" not in skip:
         part_stream_sync(torch, res)
     res.data["wall_s"] = time.time() - t_start

@@ -28,3 +28,35 @@ def test_failed_or_missing_candidates():
     down = _rows({(False, False): 5.0, (True, True): 1.0})
     assert bench_gpu.pick_flags(gate_up, down) == (False, False, False, 15.0)
     assert bench_gpu.pick_flags([], down)[3] is None
+
+
+def _bm(gu_us, dn_us, gu_cand=(64, 128, 8, 8, 3, True), dn_cand=(128, 64, 8, 4, 4)):
+    """One block_m's sweep results: best tiles and their (tma, flatten) rows."""
+    return dict(gu=dict(cand=list(gu_cand), us=gu_us), dn=dict(cand=list(dn_cand), us=dn_us),
+                gate_up_flags=_rows({(False, False): gu_us, (True, True): gu_us - 1}),
+                down_flags=_rows({(False, False): dn_us, (True, False): dn_us + 5}))
+
+
+def test_pick_pair_takes_each_kernels_best_row_block():
+    from kt.gpu_ops import MoEConfig
+
+    # gate+up is best with 64-row blocks, the down with 128: the pair pads slots to 128
+    cfg, extra = bench_gpu.pick_pair(MoEConfig, {64: _bm(150.0, 118.0), 128: _bm(180.0, 100.0)})
+    assert (cfg.block_m, cfg.down_block_m, cfg.align_m) == (64, 128, 128)
+    # one tma for both kernels: without it 150 + 100 = 250, with it 149 + 105 = 254
+    assert cfg.a8 and not cfg.tma and not cfg.flatten and not cfg.down_flatten
+    assert cfg.for_down().block_m == 128 and cfg.down_block_n == 128
+    same = extra["tuned_same_bm"]  # the best single block_m, compared too (timed at its own alignment)
+    assert same.block_m == 64 and same.down_block_m is None
+    # when one block_m is best for both, there is nothing extra
+    cfg, extra = bench_gpu.pick_pair(MoEConfig, {64: _bm(150.0, 90.0), 128: _bm(180.0, 100.0)})
+    assert cfg.block_m == 64 and cfg.down_block_m is None and extra == {}
+
+
+def test_add_shape_parsing():
+    import pytest
+
+    assert bench_gpu.parse_shape("ds=256,8,7168,2048,64") == ("ds", dict(E=256, K=8, H=7168, I=2048, S=64))
+    for bad in ("ds=1,2", "ds=4,8,1,1,1", "ds", "=1,1,1,1,1", "ds=0,1,1,1,1"):
+        with pytest.raises(SystemExit):
+            bench_gpu.parse_shape(bad)
