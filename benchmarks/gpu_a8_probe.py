@@ -45,6 +45,23 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
+    def code(v, RNE: tl.constexpr, GUARD: tl.constexpr):
+        """One level's int8 codes of v (|v| <= 127 here: far below 2**22, where the two adds round
+        to the nearest even integer) or, without RNE, rounded half away from zero as kt does."""
+        if RNE:
+            r = (v + 12582912.0) - 12582912.0
+        else:
+            r = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+        r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+        if GUARD:
+            r = tl.where(r == r, r, 0.0)
+        return r
+
+    # a jitted kernel finds its helpers among its module's globals, and triton must be imported
+    # after TRITON_INTERPRET is set: so the helper is made here and published there
+    globals()["_code"] = code
+
+    @triton.jit
     def quant2_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_ql, ROWS: tl.constexpr,
                       BLOCK_H: tl.constexpr, RNE: tl.constexpr, GUARD: tl.constexpr):
         """moe.act_quant2's one-pass body (whole rows in registers) with the rounding switches."""
@@ -57,28 +74,12 @@ def _kernels():
         amax = tl.max(tl.where(v == v, tl.abs(v), float("inf")), 1)
         s1 = amax / 127.0
         inv1 = tl.where(amax > 0, 127.0 / amax, 0.0)
-        # (the rounding is written out for each level: a helper jitted inside this factory would
-        # not be visible to the kernel, and triton must be imported after TRITON_INTERPRET is set)
-        t1 = v * inv1[:, None]
-        if RNE:  # |t1| <= 127, far below 2**22: the adds round to the nearest even integer
-            q1 = (t1 + 12582912.0) - 12582912.0
-        else:
-            q1 = tl.where(t1 >= 0, tl.floor(t1 + 0.5), -tl.floor(0.5 - t1))
-        q1 = tl.minimum(tl.maximum(q1, -127.0), 127.0)
-        if GUARD:
-            q1 = tl.where(q1 == q1, q1, 0.0)
+        q1 = _code(v * inv1[:, None], RNE, GUARD)  # noqa: F821 (published by _kernels)
         r = v - q1 * s1[:, None]
         amax2 = tl.max(tl.abs(r), 1)
         s2 = amax2 / 127.0
         inv2 = tl.where(amax2 > 0, 127.0 / amax2, 0.0)
-        t2 = r * inv2[:, None]
-        if RNE:
-            q2 = (t2 + 12582912.0) - 12582912.0
-        else:
-            q2 = tl.where(t2 >= 0, tl.floor(t2 + 0.5), -tl.floor(0.5 - t2))
-        q2 = tl.minimum(tl.maximum(q2, -127.0), 127.0)
-        if GUARD:
-            q2 = tl.where(q2 == q2, q2, 0.0)
+        q2 = _code(r * inv2[:, None], RNE, GUARD)  # noqa: F821
         q_row = q_ptr + rows64[:, None] * H + offs[None, :]
         tl.store(q_row, q1.to(tl.int8), mask=m)
         tl.store(q_row + stride_ql, q2.to(tl.int8), mask=m)
