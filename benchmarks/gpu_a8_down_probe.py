@@ -20,14 +20,14 @@ as kt's align + gate+up + combine plus each down variant, as a fraction of the b
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_gpu as B  # noqa: E402  (shapes, weights, routing, graph capture, ceilings)
+import bench_gpu as B  # noqa: E402  (shapes, weights, routing, graph capture)
 from _results import write_json  # noqa: E402
+from gpu_a8_probe import probe_setup, time_us  # noqa: E402
 
 # (block_m, block_n, block_k, num_warps, num_stages) of the a8 down kernel; block_m divides the
 # alignment the table's config uses (128 at qwen3 int8 T=4096)
@@ -39,6 +39,12 @@ DRY_TILES = [(16, 16, 32, 4, 2), (32, 32, 64, 4, 2)]
 def _kernels():
     import triton
     import triton.language as tl
+
+    from kt.gpu_ops import moe as M
+
+    # kt's grouped tile order, published where the jitted kernel below looks its helpers up (kt's
+    # kernels are imported only now: after a dry run has switched the interpreter on)
+    globals()["_tile_ids"] = M._kernels()._tile_ids
 
     @triton.jit
     def quant_rows_kernel(h_ptr, q_ptr, s_ptr, sorted_ids_ptr, num_padded_ptr, num_valid, I, stride_hm,
@@ -75,11 +81,7 @@ def _kernels():
         num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
         num_pid_n = tl.cdiv(H, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
-            num_in_group = GROUP_M * num_pid_n
-            first_m = (tile // num_in_group) * GROUP_M
-            size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-            pid_m = first_m + ((tile % num_in_group) % size_m)
-            pid_n = (tile % num_in_group) // size_m
+            pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)  # noqa: F821 (kt's, see below)
             slot = tl.load(block_slot_ptr + pid_m // (ALIGN_M // BLOCK_M)).to(tl.int64)
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             tok_slot = tl.load(sorted_ids_ptr + offs_m)
@@ -112,42 +114,16 @@ def _kernels():
     return quant_rows_kernel, down_a8_kernel
 
 
-def _time(do_bench, fn, dry):
-    if dry:
-        fn()
-        return 1.0, 1.0
-    try:
-        ts = do_bench(fn, warmup=5, rep=40, return_mode="all")
-    except (TypeError, ValueError):  # an older triton: no "all"
-        ts = [do_bench(fn, warmup=5, rep=40, return_mode=m) for m in ("min", "median")]
-    ts = sorted(float(v) * 1e3 for v in ts)
-    return ts[0], ts[len(ts) // 2]
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes under the Triton interpreter, no timings")
-    a = ap.parse_args(argv)
+    a, do_bench, dev, ceilings = probe_setup(__doc__, argv)
     dry = a.dry_run
-    if dry:
-        os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
     from kt import reference as R
     from kt.gpu_ops import moe as M
 
-    do_bench = None
-    if not dry:
-        from triton.testing import do_bench
-    dev = "cpu" if dry else "cuda"
     quant_rows_kernel, down_a8_kernel = _kernels()
-    res = {"down": {}, "stages_us": {}}
-    if not dry:
-        ceil = B.Results(None)
-        B.part_ceilings(torch, do_bench, ceil)
-        res["ceilings"] = ceil.data["ceilings"]
+    res = {"down": {}, "stages_us": {}, "ceilings": ceilings}
     sh = B.DRY_SHAPES["tiny"] if dry else B.SHAPES["qwen3-30b-a3b"]
     t = 33 if dry else 4096
     e2s = B.make_e2s(torch, sh, dev, 1)
@@ -218,7 +194,7 @@ def main(argv=None):
     rec = {k: [] for k in graphs}
     for _ in range(a.rounds):
         for k, g in graphs.items():
-            rec[k].append(_time(do_bench, g, dry))
+            rec[k].append(time_us(do_bench, g, dry))
     for k, v in rec.items():
         mn, md = min(r[0] for r in v), sorted(r[1] for r in v)[len(v) // 2]
         (res["down"][k] if k in res["down"] else res["stages_us"].setdefault(k, {})).update(min_us=mn, median_us=md)

@@ -118,7 +118,8 @@ def _check(R, np, x, q, s):
     return int((d1 > 0).sum())
 
 
-def _time(do_bench, fn, dry):
+def time_us(do_bench, fn, dry):
+    """(min, median) us of fn over do_bench's repetitions; (1, 1) after one call in a dry run."""
     if dry:
         fn()
         return 1.0, 1.0
@@ -130,15 +131,29 @@ def _time(do_bench, fn, dry):
     return ts[0], ts[len(ts) // 2]
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def probe_setup(doc, argv):
+    """The a8 probes' common start: parse --out / --rounds / --dry-run, switch the interpreter on
+    for a dry run (before triton is first imported), measure the ceilings on a GPU. Returns (args,
+    do_bench or None, device, ceilings or None)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes under the Triton interpreter, no timings")
     a = ap.parse_args(argv)
-    dry = a.dry_run
-    if dry:
+    if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
+        return a, None, "cpu", None
+    import torch
+    from triton.testing import do_bench
+
+    ceil = B.Results(None)
+    B.part_ceilings(torch, do_bench, ceil)
+    return a, do_bench, "cuda", ceil.data["ceilings"]
+
+
+def main(argv=None):
+    a, do_bench, dev, ceilings = probe_setup(__doc__, argv)
+    dry = a.dry_run
     import numpy as np
     import torch
 
@@ -146,16 +161,8 @@ def main(argv=None):
     from kt.gpu_ops import fused_moe
     from kt.gpu_ops import moe as M
 
-    do_bench = None
-    if not dry:
-        from triton.testing import do_bench
-    dev = "cpu" if dry else "cuda"
     kernel = _kernels()
-    res = {"x_cases": [], "fused": []}
-    if not dry:
-        ceil = B.Results(None)
-        B.part_ceilings(torch, do_bench, ceil)
-        res["ceilings"] = ceil.data["ceilings"]
+    res = {"x_cases": [], "fused": [], "ceilings": ceilings}
 
     def replay(fn):
         return fn if dry else B.graph_of(torch, fn)[0].replay
@@ -187,7 +194,7 @@ def main(argv=None):
         graphs = {k: replay(lambda fn=fn: fn(x)) for k, fn in ok.items()}
         for _ in range(a.rounds):
             for k, gr in graphs.items():
-                mn, md = _time(do_bench, gr, dry)
+                mn, md = time_us(do_bench, gr, dry)
                 v = case["variants"]["/".join(map(str, k))]
                 v["min_us"] = min(v.get("min_us", 1e30), mn)
                 v.setdefault("medians", []).append(md)
@@ -232,7 +239,7 @@ def main(argv=None):
             graphs[n] = replay(lambda: fused_moe(x, ids, w, e2s, **wts, config=cfg))
         for _ in range(a.rounds):
             for n, gr in graphs.items():
-                rows[n]["us"].append(_time(do_bench, gr, dry)[0])
+                rows[n]["us"].append(time_us(do_bench, gr, dry)[0])
     finally:
         M.act_quant2 = shipped
     for n, r in rows.items():
