@@ -180,6 +180,20 @@ def part_ceilings(torch, do_bench, res):
         f"{2 * m ** 3 / ms_before * 1e-9:.0f}, after {2 * m ** 3 / ms_after * 1e-9:.0f})")
 
 
+def min_median_us(do_bench, fn, dry=False, rep=40):
+    """(min, median) us of fn over do_bench's repetitions (the GPU probes' timing); (1, 1) after
+    one call in a dry run (the interpreter: nothing to time)."""
+    if dry:
+        fn()
+        return 1.0, 1.0
+    try:
+        ts = do_bench(fn, warmup=5, rep=rep, return_mode="all")
+    except (TypeError, ValueError):  # an older triton: no "all"
+        ts = [do_bench(fn, warmup=5, rep=rep, return_mode=m) for m in ("min", "median")]
+    ts = sorted(float(v) * 1e3 for v in ts)
+    return ts[0], ts[len(ts) // 2]
+
+
 def graph_of(torch, fn):
     """Warm up fn on a side stream, capture one call in a CUDA graph; returns (graph, its output)."""
     s = torch.cuda.Stream()
@@ -435,16 +449,9 @@ def gu_config(MoEConfig, bm, cand, **kw):
 
 
 def sweep_act_quant2(M, x, t_us):
-    """act_quant2 alone with other elements per program and warps (module knobs, restored)."""
-    saved = M._ACT_QUANT_ELEMS, M._ACT_QUANT_WARPS
-    rows = []
-    try:
-        for elems in (2048, 4096, 8192, 16384):
-            for warps in (2, 4, 8, 16):
-                M._ACT_QUANT_ELEMS, M._ACT_QUANT_WARPS = elems, warps
-                rows.append(dict(elems=elems, warps=warps, us=t_us(lambda: M.act_quant2(x))))
-    finally:
-        M._ACT_QUANT_ELEMS, M._ACT_QUANT_WARPS = saved
+    """act_quant2 alone with other elements per program and warps."""
+    rows = [dict(elems=elems, warps=warps, us=t_us(lambda: M.act_quant2(x, elems, warps)))
+            for elems in (2048, 4096, 8192, 16384) for warps in (2, 4, 8, 16)]
     log("  act_quant2 (elems, warps): " + ", ".join(f"({r['elems']}, {r['warps']}) {r['us']:.1f}" for r in rows))
     return rows
 

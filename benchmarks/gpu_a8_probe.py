@@ -118,17 +118,7 @@ def _check(R, np, x, q, s):
     return int((d1 > 0).sum())
 
 
-def time_us(do_bench, fn, dry):
-    """(min, median) us of fn over do_bench's repetitions; (1, 1) after one call in a dry run."""
-    if dry:
-        fn()
-        return 1.0, 1.0
-    try:
-        ts = do_bench(fn, warmup=5, rep=40, return_mode="all")
-    except (TypeError, ValueError):  # an older triton: no "all"
-        ts = [do_bench(fn, warmup=5, rep=40, return_mode=m) for m in ("min", "median")]
-    ts = sorted(float(v) * 1e3 for v in ts)
-    return ts[0], ts[len(ts) // 2]
+time_us = B.min_median_us  # (the a8 down probe imports it from here too)
 
 
 def probe_setup(doc, argv):
@@ -174,12 +164,7 @@ def main(argv=None):
             for warps in (4, 8):
                 if rne_guard is None:
                     def fn(x, elems=elems, warps=warps):
-                        saved = M._ACT_QUANT_ELEMS, M._ACT_QUANT_WARPS
-                        M._ACT_QUANT_ELEMS, M._ACT_QUANT_WARPS = elems, warps
-                        try:
-                            return shipped(x)
-                        finally:
-                            M._ACT_QUANT_ELEMS, M._ACT_QUANT_WARPS = saved
+                        return shipped(x, elems, warps)
                 else:
                     fn = _variant_fn(torch, kernel, *rne_guard, elems, warps)
                 fns[(name, elems, warps)] = fn

@@ -64,15 +64,8 @@ def _starts(torch, slots, words_per_slot, chunk, dev):
 
 
 def _times(do_bench, fn, dry):
-    if dry:  # one call under the interpreter: no timing
-        fn()
-        return dict(min_us=1.0, median_us=1.0)
-    try:
-        ts = do_bench(fn, warmup=5, rep=60, return_mode="all")
-    except (TypeError, ValueError):  # older triton: no "all"
-        ts = [do_bench(fn, warmup=5, rep=60, return_mode=m) for m in ("min", "median")]
-    ts = sorted(float(t) * 1e3 for t in ts)  # us
-    return dict(min_us=ts[0], median_us=ts[len(ts) // 2])
+    mn, md = B.min_median_us(do_bench, fn, dry, rep=60)
+    return dict(min_us=mn, median_us=md)
 
 
 def _ceilings(torch, do_bench, read_kernel, dev):

@@ -35,8 +35,9 @@ _kernels_mod = None
 _ALIGN_ONE_PROGRAM_MAX_N = 1024
 _FILL = 1024  # sorted_ids entries the one-program offsets step sets to the sentinel per store
 _PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer if there are fewer tiles)
-# act_quant2: elements of x per program (whole rows kept in registers up to this H). H200, qwen3
-# T=4096 H=2048: one row per program in three passes took 26 us.
+# act_quant2's launch: elements of x per program (whole rows kept in registers up to this H), warps.
+# H200, qwen3 T=4096 H=2048: one row per program in three passes took 26 us, this 20-24 (no shape
+# swept did better, bench_gpu.py --tune).
 _ACT_QUANT_ELEMS = 8192
 _ACT_QUANT_WARPS = 8
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
@@ -334,20 +335,21 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
     return hbuf
 
 
-def act_quant2(x):
+def act_quant2(x, elems: int = _ACT_QUANT_ELEMS, num_warps: int = _ACT_QUANT_WARPS):
     """Two-level per-token int8 of x [T, H] (kt.reference.quantize_act2, ties rounded away from
     zero): (q [2, T, H] int8, s [T, 2] fp32) with x ~ s[:, 0:1] * q[0] + s[:, 1:2] * q[1], which
     keeps about 15 bits of each row (error at most amax / 64516 per element, where bf16 keeps 8
-    bits of each value). One launch; each program takes whole rows (8192 elements)."""
+    bits of each value). One launch; each program takes whole rows, ``elems`` elements (a power of
+    two; longer rows are read in three passes), with ``num_warps`` warps."""
     t, h = x.shape
     q = torch.empty((2, t, h), dtype=torch.int8, device=x.device)
     s = torch.empty((t, 2), dtype=torch.float32, device=x.device)
     if t:
-        block_h = min(_ACT_QUANT_ELEMS, _np2(h))
-        rows = min(_ACT_QUANT_ELEMS // block_h, _np2(t))
+        block_h = min(elems, _np2(h))
+        rows = min(elems // block_h, _np2(t))
         _kernels().act_quant2_kernel[(-(-t // rows),)](x, q, s, t, h, x.stride(0), x.stride(1), q.stride(0),
                                                        q.stride(1), ROWS=rows, BLOCK_H=block_h,
-                                                       ONE_PASS=block_h >= h, num_warps=_ACT_QUANT_WARPS)
+                                                       ONE_PASS=block_h >= h, num_warps=num_warps)
     return q, s
 
 
