@@ -117,22 +117,36 @@ def _gate_up_acc_a8(a_ptrs, stride_xl, g_ptrs, u_ptrs, w_desc, g_row, I, row_mas
 
 @triton.jit
 def _round127(v):
-    # round half away from zero, clamped to the int8 codes [-127, 127]; NaN (0 * Inf) -> 0
-    r = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
-    return tl.where(r == r, tl.minimum(tl.maximum(r, -127.0), 127.0), 0.0)
+    # round to nearest, ties to even (the reference's np.rint), clamped to the int8 codes [-127, 127].
+    # |v| <= 127 here, far below 2**22, so adding and subtracting 1.5 * 2**23 leaves v rounded to an
+    # integer by the fp32 adds themselves. No per-element NaN guard (it was a compare and a select per
+    # code): a code that is NaN (a NaN or Inf in the row) clamps to +-127 on a GPU, and its row's
+    # level-1 scale is NaN (_scale127), which makes every output of the row NaN anyway.
+    # H200, qwen3 T=4096: act_quant2 19.3 -> 15.5 us with both changes (gpu_a8_probe.py).
+    r = (v + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(r, -127.0), 127.0)
+
+
+@triton.jit
+def _scale127(amax, FINITE_ONLY: tl.constexpr):
+    """(scale, 1 / scale) of rows with absmax amax [R] (a NaN counted as Inf): amax / 127, or NaN
+    when FINITE_ONLY and the row is not finite; the inverse is 0 for a zero or non-finite row."""
+    ok = amax < float("inf")
+    s = amax / 127.0
+    if FINITE_ONLY:
+        s = tl.where(ok, s, float("nan"))
+    return s, tl.where(ok & (amax > 0), 127.0 / amax, 0.0)
 
 
 @triton.jit
 def _quant2_levels(v, amax, amax2_in, ONE_PASS: tl.constexpr):
     """(q1, q2, s1, s2) of rows v [R, B] (fp32) given each row's absmax [R] (NaN/Inf counted as
     Inf); with ONE_PASS the residual's absmax is taken from v itself, else amax2_in is used."""
-    s1 = amax / 127.0
-    inv1 = tl.where(amax > 0, 127.0 / amax, 0.0)
+    s1, inv1 = _scale127(amax, True)
     q1 = _round127(v * inv1[:, None])
     r = v - q1 * s1[:, None]
     amax2 = tl.max(tl.abs(r), 1) if ONE_PASS else amax2_in
-    s2 = amax2 / 127.0
-    inv2 = tl.where(amax2 > 0, 127.0 / amax2, 0.0)
+    s2, inv2 = _scale127(amax2, False)
     return q1, _round127(r * inv2[:, None]), s1, s2
 
 
@@ -142,9 +156,10 @@ def act_quant2_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_xh, stride_ql
     """Two-level per-token int8 of ROWS rows t (kt.reference.quantize_act2): q[0, t] =
     round(x * 127 / amax) with s[t, 0] = amax / 127, then the residual r = x - q[0, t] * s[t, 0]
     the same way into q[1, t], s[t, 1]. x [T, H] float; q [2, T, H] int8; s [T, 2] fp32. Rounding
-    is half away from zero (the reference rounds ties to even: a tie moves one code by one, within
-    the level's error bound). A NaN or Inf in a row makes its scales Inf, so its outputs are NaN
-    (propagated, as the float path would). ONE_PASS (BLOCK_H >= H): every row is read once and kept
+    is to nearest even, as the reference (a GPU's fp32 division 127 / amax may differ from the
+    reference's by an ulp, moving a code near a rounding boundary by one). A NaN or Inf in a row
+    makes its level-1 scale NaN, so its outputs are NaN (propagated, as the float path would; its
+    codes are not defined). ONE_PASS (BLOCK_H >= H): every row is read once and kept
     in registers; else in three passes (absmax, residual absmax, codes)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r_ok = rows < T
@@ -177,8 +192,8 @@ def act_quant2_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_xh, stride_ql
             q1, q2, s1, s2 = _quant2_levels(v, amax, amax2, False)
             tl.store(q_row + h0 + offs[None, :], q1.to(tl.int8), mask=m)
             tl.store(q_row + stride_ql + h0 + offs[None, :], q2.to(tl.int8), mask=m)
-        s1 = amax / 127.0
-        s2 = amax2 / 127.0
+        s1 = _scale127(amax, True)[0]
+        s2 = _scale127(amax2, False)[0]
     tl.store(s_ptr + 2 * rows64, s1, mask=r_ok)
     tl.store(s_ptr + 2 * rows64 + 1, s2, mask=r_ok)
 
@@ -341,9 +356,10 @@ def combine_kernel(
 
 
 # ----------------------------------------------------------------------------- slot alignment
-# Three launches, no host sync: count token-slots per slot (atomics), prefix-sum the padded counts in
-# one program (also writes each block's slot and the sentinel everywhere), scatter each token-slot to
-# its slot's next free row (atomics). The order of rows inside a slot is not fixed, which changes no
+# Large N with more than 64 slots (align_by_slot picks the path): after zeroing the counters, three
+# launches, no host sync: count token-slots per slot (atomics), prefix-sum the padded counts in one
+# program (also writes each block's slot and the sentinel everywhere), scatter each token-slot to its
+# slot's next free row (atomics). The one-program path (small N) runs the same steps in one launch. The order of rows inside a slot is not fixed, which changes no
 # result: each row's dot products do not depend on the other rows of its tile.
 
 @triton.jit
@@ -411,6 +427,82 @@ def slot_scatter_kernel(slot_ptr, cursor_ptr, sorted_ids_ptr, N, BLOCK: tl.const
     """sorted_ids[cursor[slot[n]]++] = n for every token-slot n on the GPU."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     _scatter_chunk(slot_ptr, cursor_ptr, sorted_ids_ptr, offs, N, BLOCK)
+
+
+# Two launches, no atomics, no zeroing (large N with up to 64 slots): each program of
+# slot_hist_kernel maps its NSUB * SUB token-slots to their slots and stores their per-slot counts
+# (hist [C, SP2]); each program of slot_place_kernel reads all of hist (a few KB: every program
+# does the same prefix sums, so no one-program step sits between the launches), places its own
+# token-slots after those of the earlier programs (a rank inside its chunk from a one-hot running
+# sum), and writes its share of block_slot and of the padding rows. The order of rows inside a slot
+# is token order, so the layout is deterministic. (The one-hot work grows with the slots: with 128
+# the four-launch path above is faster.)
+
+@triton.jit
+def slot_hist_kernel(ids_ptr, e2s_ptr, slot_ptr, hist_ptr, N, E, S,
+                     NSUB: tl.constexpr, SUB: tl.constexpr, SP2: tl.constexpr):
+    """slot[n] = expert_to_slot[ids[n]] (-1 as slot_count_kernel) for this program's NSUB * SUB
+    token-slots; hist[pid, s] = how many of them have slot s. ids [N] int; e2s [E] int32; hist [C, SP2]
+    int32. (The sub-chunk loop is unrolled so that all its loads go out together.)"""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, SP2)
+    count = tl.zeros((SP2,), tl.int32)
+    for j in tl.static_range(NSUB):
+        offs = (pid * NSUB + j) * SUB + tl.arange(0, SUB)
+        m = offs < N
+        e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+        ok = m & (e >= 0) & (e < E)
+        s = tl.load(e2s_ptr + tl.where(ok, e, 0), mask=ok, other=-1).to(tl.int32)
+        s = tl.where((s >= 0) & (s < S), s, -1)
+        tl.store(slot_ptr + offs, s, mask=m)
+        count += tl.sum((s[:, None] == lanes[None, :]).to(tl.int32), 0)
+    tl.store(hist_ptr + pid * SP2 + lanes, count)
+
+
+@triton.jit
+def slot_place_kernel(slot_ptr, hist_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr, N, S, C, P,
+                      NSUB: tl.constexpr, SUB: tl.constexpr, SP2: tl.constexpr, CB: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BCHUNK: tl.constexpr):
+    """sorted_ids: each slot's token-slots in token order from the slot's first row (slots one after
+    another, each padded to a multiple of BLOCK_M with the sentinel N); num_padded[0] = rows in use;
+    block_slot[b] = slot of row block b (S - 1 past the rows in use). Rows from num_padded[0] on are
+    not written. C = programs of slot_hist_kernel (and of this kernel); P = rows of sorted_ids."""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, SP2)
+    total = tl.zeros((SP2,), tl.int32)
+    before = tl.zeros((SP2,), tl.int32)
+    for c0 in range(0, C, CB):
+        cc = c0 + tl.arange(0, CB)
+        blk = tl.load(hist_ptr + cc[:, None] * SP2 + lanes[None, :], mask=(cc < C)[:, None], other=0)
+        total += tl.sum(blk, 0)
+        before += tl.sum(tl.where((cc < pid)[:, None], blk, 0), 0)
+    padded = (total + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    start = end - padded
+    if pid == 0:
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+    # this chunk's token-slots, in order, after the earlier chunks' rows of their slot
+    base = start + before
+    for j in tl.static_range(NSUB):
+        offs = (pid * NSUB + j) * SUB + tl.arange(0, SUB)
+        s = tl.load(slot_ptr + offs, mask=offs < N, other=-1)
+        hot = (s[:, None] == lanes[None, :]).to(tl.int32)
+        rank = tl.sum(hot * (tl.cumsum(hot, 0) - 1 + base[None, :]), 1)
+        tl.store(sorted_ids_ptr + tl.where(s >= 0, rank, 0), offs, mask=s >= 0)
+        base += tl.sum(hot, 0)
+    # this program's share of block_slot (blocks pid*BCHUNK, ... strided by C*BCHUNK)
+    nb = P // BLOCK_M
+    block_end = tl.where(lanes < S, end // BLOCK_M, 2147483647)
+    for b0 in range(pid * BCHUNK, nb, C * BCHUNK):
+        b = b0 + tl.arange(0, BCHUNK)
+        slot_of_b = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
+        tl.store(block_slot_ptr + b, tl.minimum(slot_of_b, S - 1), mask=b < nb)
+    # and of the padding rows (slots pid, pid + C, ...)
+    r = tl.arange(0, BLOCK_M)
+    for sl in range(pid, S, C):
+        first = tl.sum(tl.where(lanes == sl, start + total, 0), 0)
+        last = tl.sum(tl.where(lanes == sl, end, 0), 0)
+        tl.store(sorted_ids_ptr + first + r, tl.full((BLOCK_M,), 0, tl.int32) + N, mask=first + r < last)
 
 
 @triton.jit

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import contextlib
+
 import torch
 
 from .configs import DirectConfig, MoEConfig, pick_config, table_for_device
@@ -29,17 +31,23 @@ _CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _WNAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "int8"}
 
 _kernels_mod = None
-# Token-slots up to which the alignment runs as one program. H200 (benchmarks/results/gpu.json): one
-# program took 7.9 us at N=56, 10.2 at 512, 16.2 at 1024, 49 at 4096; three launches 11.9 at N=56,
-# 15.0 at 512, 17.5 at 1024, 21.3 at 4096.
+# Token-slots up to which the alignment runs as one program, and slots (next power of two) up to
+# which larger N takes the two-launch path (else four launches with atomics). H200, us, one program /
+# two launches / atomics (benchmarks/results/gpu_s13_run7_a8_probe.json): N=512 S=32: 9.8 / 18.0 /
+# 11.6; N=1024: 14.4 / 16.7 / 18.2; N=8192: 69 / 15.6 / 18.8; N=32768 S=32: - / 15.8 / 22.1; S=64:
+# - / 19.7 / 25.6; S=128: - / 45.8 / 39.5.
 _ALIGN_ONE_PROGRAM_MAX_N = 1024
+_ALIGN_TWO_LAUNCH_MAX_SLOTS = 64
 _FILL = 1024  # sorted_ids entries the one-program offsets step sets to the sentinel per store
 _PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer if there are fewer tiles)
-# act_quant2's launch: elements of x per program (whole rows kept in registers up to this H), warps.
-# H200, qwen3 T=4096 H=2048: one row per program in three passes took 26 us, this 20-24 (no shape
-# swept did better, bench_gpu.py --tune).
-_ACT_QUANT_ELEMS = 8192
-_ACT_QUANT_WARPS = 8
+# act_quant2's launch: elements of x per program (whole rows, at least one; rows up to
+# _ACT_QUANT_ROW_MAX elements are kept in registers, longer ones read in three passes), warps.
+# H200 (gpu_s13_run7_a8_probe.json, rounding to nearest even): 4096 / 4 warps took 15.7 us at qwen3
+# T=4096 (8192 / 8 warps, the old default, 16.1-18.0), 24.2 at mixtral, 44.3 at H=7168 (one row of
+# 8192 per program; the probe's copy without the three-pass branch took 40.1 there, not explained).
+_ACT_QUANT_ELEMS = 4096
+_ACT_QUANT_WARPS = 4
+_ACT_QUANT_ROW_MAX = 8192
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
 
 
@@ -82,14 +90,18 @@ def kernels_interpreted() -> bool:
 
 
 def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slots: int, block_m: int):
-    """Sort token-slots by expert slot into blocks of block_m rows: three launches, no host sync.
+    """Sort token-slots by expert slot into blocks of block_m rows, on the device, no host sync.
 
     topk_ids [T, K] int; expert_to_slot [E] int32; S = num_slots.
     Returns (slot [N] int32, sorted_ids [P] int32, block_slot [P / block_m] int32, num_padded [1] int32):
     slot[n] is token-slot n's GPU slot or -1 (id -1 or out of [0, E), or slot outside [0, S));
-    sorted_ids holds the token-slots of each slot together (in no fixed order inside a slot), each
-    slot's group padded to a multiple of block_m with the sentinel N; P = N + S*(block_m - 1) rounded up
-    to block_m is the worst case, and rows from num_padded[0] on are unused (sentinel).
+    sorted_ids holds the token-slots of each slot together, each slot's group padded to a multiple of
+    block_m with the sentinel N; P = N + S*(block_m - 1) rounded up to block_m is the worst case, and
+    rows from num_padded[0] on are unused (not read by the GEMMs; their values are not defined).
+    Three paths, by measured speed (H200, gpu_a8_probe.py): one program for N <= 1024 (one launch);
+    up to 64 slots two launches without atomics, rows in token order inside each slot; beyond, four
+    launches with atomics (rows in no fixed order inside a slot). The order changes no result: a
+    row's dot products do not depend on the other rows of its tile.
     """
     kern = _kernels()
     n = topk_ids.numel()
@@ -99,26 +111,51 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     sp2 = max(16, 1 << max(s - 1, 0).bit_length())
     ids = topk_ids.reshape(n)
     e2s = expert_to_slot.to(torch.int32)
-    scratch = torch.empty(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor
-    counts, cursor = scratch[:sp2], scratch[sp2:]
     slot = torch.empty(n, dtype=torch.int32, device=dev)
     sorted_ids = torch.empty(p, dtype=torch.int32, device=dev)
     block_slot = torch.empty(p // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    blk = 1024
-    chunk = 64 if sp2 <= 256 else 16
+    chunk = 64 if sp2 <= 256 else 16  # block_slot entries per step of the one-program offsets
     if n <= _ALIGN_ONE_PROGRAM_MAX_N:
         # Decode-sized: one launch (the kernel zeroes its own counters).
-        kern.align_small_kernel[(1,)](ids, e2s, slot, counts, cursor, block_slot, num_padded, sorted_ids,
-                                      n, e2s.numel(), s, p, SP2=sp2, BLOCK_M=block_m, BLOCK=blk, CHUNK=chunk,
-                                      FILL=_FILL)
-        return slot, sorted_ids, block_slot, num_padded
-    counts.zero_()
-    kern.slot_count_kernel[(-(-n // blk),)](ids, e2s, slot, counts, n, e2s.numel(), s, BLOCK=blk)
-    kern.slot_offsets_kernel[(1,)](counts, cursor, block_slot, num_padded, sorted_ids, n, s, p,
-                                   SP2=sp2, BLOCK_M=block_m, CHUNK=chunk, FILL=_FILL)
-    kern.slot_scatter_kernel[(-(-n // blk),)](slot, cursor, sorted_ids, n, BLOCK=blk)
+        scratch = torch.empty(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor
+        kern.align_small_kernel[(1,)](ids, e2s, slot, scratch[:sp2], scratch[sp2:], block_slot, num_padded,
+                                      sorted_ids, n, e2s.numel(), s, p, SP2=sp2, BLOCK_M=block_m, BLOCK=1024,
+                                      CHUNK=chunk, FILL=_FILL)
+    elif sp2 <= _ALIGN_TWO_LAUNCH_MAX_SLOTS:
+        # Each program takes nsub sub-chunks of `sub` token-slots, each against all slots at once
+        # (one-hot tiles of 4096 elements); nsub grows with N so that there are 32-128 programs.
+        sub = max(8, min(256, 4096 // sp2))
+        nsub = min(4, _np2(max(1, -(-n // (sub * 64)))))
+        c = max(1, -(-n // (nsub * sub)))  # (program 0 writes num_padded: one program even for N = 0)
+        hist = torch.empty((c, sp2), dtype=torch.int32, device=dev)
+        kern.slot_hist_kernel[(c,)](ids, e2s, slot, hist, n, e2s.numel(), s, NSUB=nsub, SUB=sub, SP2=sp2)
+        kern.slot_place_kernel[(c,)](slot, hist, block_slot, num_padded, sorted_ids, n, s, c, p, NSUB=nsub,
+                                     SUB=sub, SP2=sp2, CB=max(1, 8192 // sp2), BLOCK_M=block_m,
+                                     BCHUNK=max(16, 2048 // sp2), num_warps=8)
+    else:
+        counts_cursor = torch.zeros(2 * sp2, dtype=torch.int32, device=dev)
+        counts, cursor = counts_cursor[:sp2], counts_cursor[sp2:]
+        blk = 1024
+        kern.slot_count_kernel[(-(-n // blk),)](ids, e2s, slot, counts, n, e2s.numel(), s, BLOCK=blk)
+        kern.slot_offsets_kernel[(1,)](counts, cursor, block_slot, num_padded, sorted_ids, n, s, p,
+                                       SP2=sp2, BLOCK_M=block_m, CHUNK=chunk, FILL=_FILL)
+        kern.slot_scatter_kernel[(-(-n // blk),)](slot, cursor, sorted_ids, n, BLOCK=blk)
     return slot, sorted_ids, block_slot, num_padded
+
+
+@contextlib.contextmanager
+def _forced_align(path: str):
+    """Within the block, align_by_slot takes the given path ("one_program", "two_launch" or "atomics")
+    whatever N and S are (tests and probes; not thread-safe)."""
+    global _ALIGN_ONE_PROGRAM_MAX_N, _ALIGN_TWO_LAUNCH_MAX_SLOTS
+    saved = _ALIGN_ONE_PROGRAM_MAX_N, _ALIGN_TWO_LAUNCH_MAX_SLOTS
+    _ALIGN_ONE_PROGRAM_MAX_N, _ALIGN_TWO_LAUNCH_MAX_SLOTS = {
+        "one_program": (1 << 62, 0), "two_launch": (-1, 1 << 62), "atomics": (-1, -1)}[path]
+    try:
+        yield
+    finally:
+        _ALIGN_ONE_PROGRAM_MAX_N, _ALIGN_TWO_LAUNCH_MAX_SLOTS = saved
 
 
 def _check(x, topk_ids, topk_weights, expert_to_slot, w13, w2, w13_scale, w2_scale):
@@ -336,17 +373,17 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
 
 
 def act_quant2(x, elems: int = _ACT_QUANT_ELEMS, num_warps: int = _ACT_QUANT_WARPS):
-    """Two-level per-token int8 of x [T, H] (kt.reference.quantize_act2, ties rounded away from
-    zero): (q [2, T, H] int8, s [T, 2] fp32) with x ~ s[:, 0:1] * q[0] + s[:, 1:2] * q[1], which
-    keeps about 15 bits of each row (error at most amax / 64516 per element, where bf16 keeps 8
+    """Two-level per-token int8 of x [T, H] (kt.reference.quantize_act2): (q [2, T, H] int8,
+    s [T, 2] fp32) with x ~ s[:, 0:1] * q[0] + s[:, 1:2] * q[1], which keeps about 15 bits of each row (error at most amax / 64516 per element, where bf16 keeps 8
     bits of each value). One launch; each program takes whole rows, ``elems`` elements (a power of
-    two; longer rows are read in three passes), with ``num_warps`` warps."""
+    two) or one row if that is longer (rows longer than 8192 elements are read in three passes),
+    with ``num_warps`` warps."""
     t, h = x.shape
     q = torch.empty((2, t, h), dtype=torch.int8, device=x.device)
     s = torch.empty((t, 2), dtype=torch.float32, device=x.device)
     if t:
-        block_h = min(elems, _np2(h))
-        rows = min(elems // block_h, _np2(t))
+        block_h = min(_np2(h), max(elems, _ACT_QUANT_ROW_MAX))
+        rows = max(1, min(elems // block_h, _np2(t)))
         _kernels().act_quant2_kernel[(-(-t // rows),)](x, q, s, t, h, x.stride(0), x.stride(1), q.stride(0),
                                                        q.stride(1), ROWS=rows, BLOCK_H=block_h,
                                                        ONE_PASS=block_h >= h, num_warps=num_warps)
@@ -379,15 +416,19 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
     return y
 
 
-def combine(y, slot32, out):
-    """out [T, H] = sum over k of y[t*K + k] where slot32[t*K + k] >= 0 (fp32, fixed order)."""
+def combine(y, slot32, out, block_h: int = 1024, num_warps: int = 4):
+    """out [T, H] = sum over k of y[t*K + k] where slot32[t*K + k] >= 0 (fp32, fixed order). A
+    program takes one token x ``block_h`` columns (capped at H's next power of two). (H200, qwen3
+    T=4096 with 25 % of the token-slots on the GPU: 19.3-19.5 us for 50 MB, 61 % of HBM; no launch
+    shape of 512-4096 columns, 1-4 tokens and 2-8 warps per program did better, gpu_a8_probe.py
+    session 13.)"""
     kern = _kernels()
     t, h = out.shape
     k = slot32.numel() // max(t, 1)
-    block_h = min(1024, max(16, 1 << (h - 1).bit_length()))
+    block_h = min(block_h, max(16, _np2(h)))
     kern.combine_kernel[(t, -(-h // block_h))](
         y, slot32, out, h, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=k, KP=_np2k(k), BLOCK_H=block_h, num_warps=4)
+        TOP_K=k, KP=_np2k(k), BLOCK_H=block_h, num_warps=num_warps)
 
 
 def _np2k(k: int) -> int:

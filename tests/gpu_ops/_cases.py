@@ -60,15 +60,14 @@ def quant_int8(w):
     return q, sc, np.stack([R.dequantize(x) for x in qs])
 
 
-def fused_case(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac=0.1, config=None, one_program=True):
+def fused_case(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac=0.1, config=None, align=None):
+    """fused_moe vs the fp32 reference; align forces an alignment path (moe._forced_align)."""
+    import contextlib
+
     from kt.gpu_ops import moe
 
-    saved = moe._ALIGN_ONE_PROGRAM_MAX_N
-    moe._ALIGN_ONE_PROGRAM_MAX_N = saved if one_program else -1
-    try:
+    with moe._forced_align(align) if align else contextlib.nullcontext():
         return _fused_check(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac, config)
-    finally:
-        moe._ALIGN_ONE_PROGRAM_MAX_N = saved
 
 
 def _fused_check(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac, config):
@@ -131,21 +130,17 @@ def routed_case(device, ids_list, e2s_list, h, i, seed):
     return out.cpu()
 
 
-def align_case(device, t, k, e2s_list, block_m, seed, one_program=True):
-    """align_by_slot: every GPU token-slot exactly once, in a block of its own slot; padding = sentinel.
-
-    one_program=False forces the three-launch path that large N takes."""
+def align_case(device, t, k, e2s_list, block_m, seed, path):
+    """align_by_slot on the given path (moe._forced_align): every GPU token-slot exactly once, in a
+    block of its own slot; padding (inside the rows in use) = sentinel; on the two-launch path each
+    slot's rows are also in token order."""
     from kt.gpu_ops import moe
 
-    saved = moe._ALIGN_ONE_PROGRAM_MAX_N
-    moe._ALIGN_ONE_PROGRAM_MAX_N = saved if one_program else -1
-    try:
-        _align_check(device, t, k, e2s_list, block_m, seed, moe.align_by_slot)
-    finally:
-        moe._ALIGN_ONE_PROGRAM_MAX_N = saved
+    with moe._forced_align(path):
+        _align_check(device, t, k, e2s_list, block_m, seed, moe.align_by_slot, ordered=path == "two_launch")
 
 
-def _align_check(device, t, k, e2s_list, block_m, seed, align_by_slot):
+def _align_check(device, t, k, e2s_list, block_m, seed, align_by_slot, ordered=False):
     gen = torch.Generator().manual_seed(seed)
     e2s = torch.tensor(e2s_list, dtype=torch.int32)
     e = e2s.numel()
@@ -161,22 +156,26 @@ def _align_check(device, t, k, e2s_list, block_m, seed, align_by_slot):
     used = int(num_padded[0])
     counts = [int((slot == j).sum()) for j in range(s)]
     assert used == sum(-(-c // block_m) * block_m for c in counts), (used, counts)
-    assert torch.all(sorted_ids[used:] == n)
+    rows_used = sorted_ids[:used]
+    assert torch.all((rows_used >= 0) & (rows_used <= n)), "a row in use is neither a token-slot nor the sentinel"
     seen = []
     for b in range(used // block_m):
         rows = sorted_ids[b * block_m:(b + 1) * block_m]
         real = rows[rows < n]
         assert torch.all(slot[real.long()] == block_slot[b]), f"block {b}: a row of another slot"
         seen += real.tolist()
-    assert sorted(seen) == sorted(torch.nonzero(slot >= 0).flatten().tolist()), "GPU token-slots not each once"
+    want = torch.nonzero(slot >= 0).flatten().tolist()
+    assert sorted(seen) == sorted(want), "GPU token-slots not each once"
+    if ordered:  # slots one after another, each in token order
+        assert seen == sorted(want, key=lambda i: (int(slot[i]), i)), "not in (slot, token) order"
 
 
 def act_quant2_case(device, t, h, seed, dtype="fp32"):
     """moe.act_quant2 vs kt.reference.quantize_act2 on rows of very different sizes (one all-zero
     row, one with a NaN). Level-1 scales: the same fp32 formula (rtol 1e-6, a GPU's division may
-    differ by an ulp); level-2 scales within 0.5 % (the residual, see below); codes: equal except
-    at rounding ties and where the GPU fuses the residual's multiply and subtract (at most one
-    code apart, few of them); reconstruction: within half a level-2 step
+    differ by an ulp); level-2 scales within 0.5 % (the residual, see below); level-1 codes equal
+    under the interpreter; on a GPU, whose fp32 division may differ by an ulp and which fuses the
+    residual's multiply and subtract, codes at most one apart and few of them; reconstruction: within half a level-2 step
     of x (the two-level bound), up to fp32 rounding of the sum. Level-2 codes differ more often: a
     GPU forms the residual x - q1 * s1 with one fused multiply-add (the reference rounds the
     product first), which moves the residual by up to 2^-24 * 127 * s1, about 0.2 % of a level-2
@@ -194,6 +193,8 @@ def act_quant2_case(device, t, h, seed, dtype="fp32"):
     q1, s1, q2, s2 = R.quantize_act2(xf)
     assert np.allclose(s[: t - 1, 0].numpy(), s1, rtol=1e-6, atol=0), (s[:, 0], s1)
     assert np.allclose(s[: t - 1, 1].numpy(), s2, rtol=5e-3, atol=0), (s[:, 1], s2)  # the fused residual
+    if str(device) == "cpu":  # the interpreter: the same fp32 operations, rounded to nearest even
+        assert np.array_equal(q[0, : t - 1].numpy(), q1.astype(np.int8)), "level-1 codes differ"
     for lvl, ref, frac in ((0, q1, 2e-3), (1, q2, 2e-2)):
         d = np.abs(q[lvl, : t - 1].numpy().astype(np.int32) - ref.astype(np.int32))
         assert d.max() <= 1 and (d > 0).sum() <= max(2, frac * d.size), (lvl, d.max(), (d > 0).sum(), d.size)
@@ -202,4 +203,43 @@ def act_quant2_case(device, t, h, seed, dtype="fp32"):
     bound = 0.5 * sk[: t - 1, 1:2] + 1e-6 * np.abs(xf).max(axis=1, keepdims=True)
     assert np.all(np.abs(xf - recon) <= bound), float(np.max(np.abs(xf - recon) - bound))
     assert torch.equal(q[:, 0], torch.zeros(2, h, dtype=torch.int8)) and torch.equal(s[0], torch.zeros(2))
-    assert torch.isinf(s[t - 1, 0]), s[t - 1]  # the NaN row: its outputs become NaN
+    assert torch.isnan(s[t - 1, 0]), s[t - 1]  # the NaN row: its outputs become NaN
+
+
+def combine_case(device, t, k, h, block_h, ydtype, seed):
+    """moe.combine against a float64 sum (fp32 accumulation of K values: within 1e-6): every token,
+    one with no GPU slot (zeros), rows of CPU token-slots never read (NaN there), a partial last
+    column block."""
+    from kt.gpu_ops import moe
+
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randn(t * k, h, generator=gen).to({"fp32": torch.float32, "bf16": torch.bfloat16}[ydtype])
+    slot = torch.randint(-1, 3, (t * k,), generator=gen, dtype=torch.int32)
+    slot[:k] = -1  # token 0: no GPU expert
+    y[slot < 0] = float("nan")  # rows of CPU token-slots are never read
+    out = torch.empty(t, h, dtype=torch.float32)
+    moe.combine(y.to(device), slot.to(device), out := out.to(device), block_h=block_h)
+    want = torch.where((slot >= 0)[:, None], y.double(), 0.0).reshape(t, k, h).sum(1)
+    assert_close(want.numpy(), out.cpu().double().numpy(), rtol=1e-6, atol=1e-6, what="combine")
+
+
+def nan_row_case(device, a8, seed):
+    """A NaN in one token's activations makes that token's output row NaN (every element, since every
+    element sums over all of the token's activations), and no other row: with int8 weights, through
+    the a8 quantiser (the row's level-1 scale is NaN) or the bf16 activations path."""
+    from kt.gpu_ops import MoEConfig, fused_moe
+
+    gen = torch.Generator().manual_seed(seed)
+    t, e, k, h, i = 6, 8, 2, 64, 32
+    e2s = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7], dtype=torch.int32)  # every expert on the GPU
+    ids, w = routing(gen, t, e, k)
+    w13, w2 = weights(e, h, i, seed)
+    q13, s13, _ = quant_int8(w13)
+    q2, s2, _ = quant_int8(w2)
+    x = torch.randn(t, h, generator=gen)
+    x[2, 5] = float("nan")
+    cfg = MoEConfig(block_m=16, block_n=16, block_k=64, a8=a8)
+    out = fused_moe(x.to(device), ids.to(device), w.to(device), e2s.to(device), q13.to(device), q2.to(device),
+                    w13_scale=s13.to(device), w2_scale=s2.to(device), config=cfg).cpu()
+    assert torch.isnan(out[2]).all(), out[2]
+    assert torch.isfinite(out[[0, 1, 3, 4, 5]]).all()

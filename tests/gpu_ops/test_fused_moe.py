@@ -80,9 +80,10 @@ def test_sorted_path_own_row_blocks(run_case, cfg, t, k, h, i, dtype):
     run_case(_cases.fused_case, t, 8, k, h, i, E2S_A, dtype, 700 + t + k, 0.1, dict(group_m=2, **cfg))
 
 
-# (rows per program: 8 at H=64, 2 at H=2500 (37 rows: a partial last program); H=9000 is read in
-# three passes)
-@pytest.mark.parametrize("t,h,dtype", [(5, 64, "fp32"), (37, 2500, "fp32"), (4, 96, "bf16"), (3, 9000, "fp32")])
+# (rows per program: 8 at H=64, 2 at H=1500 (37 rows: a partial last program), 1 at H=2500; H=9000
+# is read in three passes)
+@pytest.mark.parametrize("t,h,dtype", [(5, 64, "fp32"), (37, 1500, "fp32"), (6, 2500, "fp32"), (4, 96, "bf16"),
+                                       (3, 9000, "fp32")])
 def test_act_quant2_vs_reference(run_case, t, h, dtype):
     run_case(_cases.act_quant2_case, t, h, 7 + t + h, dtype)
 
@@ -188,16 +189,43 @@ def test_cpu_tensors_without_interpreter_is_a_clear_error():
     assert "ERR fused_moe: CPU tensors need the Triton interpreter" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("one_program", [True, False], ids=["one-launch", "three-launch"])
+ALIGN_PATHS = ["one_program", "two_launch", "atomics"]
+
+
+@pytest.mark.parametrize("path", ALIGN_PATHS)
 @pytest.mark.parametrize("t,k,e2s,bm", [(1, 2, E2S_A, 16), (37, 3, E2S_B, 16), (33, 4, E2S_A, 32),
                                       (0, 2, E2S_A, 16), (5, 2, [-1, -1, -1], 16)])
-def test_align_by_slot(run_case, t, k, e2s, bm, one_program):
-    run_case(_cases.align_case, t, k, e2s, bm, t + k + bm, one_program)
+def test_align_by_slot(run_case, t, k, e2s, bm, path):
+    run_case(_cases.align_case, t, k, e2s, bm, t + k + bm, path)
 
 
-def test_fused_moe_three_launch_alignment(run_case):
+# larger N: several programs per launch, many slots (one-hot tiles of 8 rows on the two-launch path),
+# and (big-chunks) four sub-chunks per program
+E2S_MANY = [(i * 7) % 301 - 1 for i in range(320)]  # slots 0..299 and some -1, scattered
+
+
+@pytest.mark.parametrize("path", ALIGN_PATHS[1:])
+@pytest.mark.parametrize("t,k,e2s,bm", [(300, 4, E2S_B, 16), (157, 3, E2S_MANY, 32), (9000, 8, E2S_A, 64)],
+                         ids=["chunks", "many-slots", "big-chunks"])
+def test_align_by_slot_large_n(run_case, t, k, e2s, bm, path):
+    run_case(_cases.align_case, t, k, e2s, bm, t + k + bm, path)
+
+
+@pytest.mark.parametrize("t,k,h,block_h,ydtype", [(7, 3, 100, 32, "fp32"), (9, 2, 64, 1024, "bf16"),
+                                                  (5, 8, 48, 16, "fp32")])
+def test_combine(run_case, t, k, h, block_h, ydtype):
+    run_case(_cases.combine_case, t, k, h, block_h, ydtype, t + k + h)
+
+
+@pytest.mark.parametrize("a8", [True, False], ids=["a8", "bf16-activations"])
+def test_nan_in_a_token_makes_its_row_nan(run_case, a8):
+    run_case(_cases.nan_row_case, a8, 11)
+
+
+@pytest.mark.parametrize("path", ALIGN_PATHS[1:])
+def test_fused_moe_large_n_alignment(run_case, path):
     # Large-N alignment path (forced on a small case) feeding the GEMMs.
-    run_case(_cases.fused_case, 33, 8, 4, 64, 32, E2S_B, "bf16", 5, 0.1, None, False)
+    run_case(_cases.fused_case, 33, 8, 4, 64, 32, E2S_B, "bf16", 5, 0.1, None, path)
 
 
 def _args(device="cpu", t=3, k=2, h=64, i=32, s=2, e=4):
@@ -258,3 +286,41 @@ def test_expert_too_large_for_32_bit_offsets():
     with pytest.raises(ValueError, match=r"one expert of w13 spans .* fewer than 2\*\*31"):
         fused_moe(x, ids, torch.ones(1, 1, device="meta"), torch.zeros(1, dtype=torch.int32, device="meta"),
                   torch.empty(1, 2 * i, h, device="meta"), torch.empty(1, h, i, device="meta"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graph capture)")
+def test_a8_graph_replay_is_bit_identical_to_eager():
+    """The a8 path (quantiser, two-launch alignment, int8 tensor cores), captured in a CUDA graph and replayed with new inputs copied in, equals eager mode bit for bit."""
+    from kt.gpu_ops import MoEConfig
+
+    g = torch.Generator().manual_seed(5)
+    t, e, k, h, i = 300, 8, 2, 256, 128
+    e2s = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5], dtype=torch.int32, device="cuda")
+    w13 = torch.randint(-127, 128, (6, 2 * i, h), generator=g, dtype=torch.int8).cuda()
+    w2 = torch.randint(-127, 128, (6, h, i), generator=g, dtype=torch.int8).cuda()
+    s13 = (torch.rand(6, 2 * i, generator=g) / 127 / h ** 0.5).cuda()
+    s2 = (torch.rand(6, h, generator=g) / 127 / i ** 0.5).cuda()
+    cfg = MoEConfig(block_m=64, block_n=64, block_k=64, a8=True)
+
+    def inputs(seed):
+        gg = torch.Generator().manual_seed(seed)
+        x = torch.randn(t, h, generator=gg).to(torch.bfloat16).cuda()
+        ids = torch.stack([torch.randperm(e, generator=gg)[:k] for _ in range(t)]).cuda()
+        return x, ids, torch.rand(t, k, generator=gg).cuda()
+
+    def run(x, ids, w):
+        return fused_moe(x, ids, w, e2s, w13, w2, w13_scale=s13, w2_scale=s2, config=cfg)
+
+    static = inputs(1)
+    run(*static)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(*static)
+    for seed in (2, 3):
+        new = inputs(seed)
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(*new))
