@@ -290,14 +290,8 @@ def run_gate_up(v, x, w13, sid, bsl, npad, top_k, hb, programs):
 
 
 def run_combine(y, slot32, out, block_h=None):
-    """kt's combine_kernel (it reads y in y's own dtype, fp32 or bf16) with an optional BLOCK_H; launched
-    as kt.gpu_ops.moe.combine launches it."""
-    t, h = out.shape
-    k = slot32.numel() // max(t, 1)
-    block_h = block_h or min(1024, max(16, 1 << (h - 1).bit_length()))
-    M._kernels().combine_kernel[(t, -(-h // block_h))](
-        y, slot32, out, h, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=k, KP=M._np2k(k), BLOCK_H=block_h, num_warps=4)
+    """kt's combine (it reads y in y's own dtype, fp32 or bf16) with an optional BLOCK_H."""
+    M.combine(y, slot32, out, **({"block_h": block_h} if block_h else {}))
     return out
 
 
