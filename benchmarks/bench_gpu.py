@@ -478,6 +478,25 @@ def pick_pair(MoEConfig, per_bm):
     return pairs[best][1], ({} if same == best else {"tuned_same_bm": pairs[same][1]})
 
 
+def write_tuned_table(out_dir, gpu_name, shipped, found):
+    """The table a tune leaves: the one this GPU used (``shipped``) with the tuned entries
+    (``found``, {shape key: {T: config}}) laid over it, written to out_dir/<gpu>_tuned.json (<gpu>
+    from kt's table names, else "gpu"); use it with KT_GPU_TABLE=<file>, or ship it as
+    kt/gpu_ops/configs/<name>.json. Returns the path."""
+    from kt.gpu_ops.configs import table_name
+
+    merged = {k: dict(v) for k, v in shipped.items()}
+    for k, v in found.items():
+        merged.setdefault(k, {}).update(v)
+    merged["_comment"] = (f"Tuned on an {gpu_name} by benchmarks/bench_gpu.py (S=32 slots for qwen3-30b-a3b, "
+                          "S=4 for mixtral, --add-shape shapes as given); key H{H}_I{I}_{weight dtype}, then "
+                          "T; entries with \"path\": \"direct\" are the direct path's (T*K <= DIRECT_MAX_N).")
+    path = os.path.join(out_dir, f"{table_name(gpu_name) or 'gpu'}_tuned.json")
+    with open(path, "w") as f:
+        json.dump(merged, f, indent=1, sort_keys=True)
+    return path
+
+
 def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None):
     """Sweep each kernel of a path alone, combine the best, and time it against the shipped table's
     config (interleaved rounds). Returns table entries {shape key: {T: config dict}} that beat it."""
@@ -832,7 +851,7 @@ def main():
             with open(os.path.join(args.out, "h200.json"), "w") as f:
                 json.dump(table, f, indent=1, sort_keys=True)
     if args.tune:
-        from kt.gpu_ops.configs import table_for_device, table_name
+        from kt.gpu_ops.configs import table_for_device
 
         gpu_name = torch.cuda.get_device_name()
         shipped, source = table_for_device(gpu_name)  # the table this GPU uses now (KT_GPU_TABLE first)
@@ -848,17 +867,7 @@ def main():
         found = part_tune(torch, R, res, do_bench, time.time() + args.tune_budget_s, shipped, cases=cases)
         res.save()
         if args.out:
-            merged = {k: dict(v) for k, v in shipped.items()}
-            for k, v in found.items():
-                merged.setdefault(k, {}).update(v)
-            merged["_comment"] = (f"Tuned on an {gpu_name} by benchmarks/bench_gpu.py (S=32 slots for "
-                                  "qwen3-30b-a3b, S=4 for mixtral); key H{H}_I{I}_{weight dtype}, then T; entries "
-                                  "with \"path\": \"direct\" are the direct path's (T*K <= DIRECT_MAX_N).")
-            # use it with KT_GPU_TABLE=<this file>, or ship it as kt/gpu_ops/configs/<name>.json
-            path = os.path.join(args.out, f"{table_name(gpu_name) or 'gpu'}_tuned.json")
-            with open(path, "w") as f:
-                json.dump(merged, f, indent=1, sort_keys=True)
-            log(f"tune: wrote {path}")
+            log(f"tune: wrote {write_tuned_table(args.out, gpu_name, shipped, found)}")
     if "sync" not in skip:
         part_stream_sync(torch, res)
     res.data["wall_s"] = time.time() - t_start

@@ -60,3 +60,21 @@ def test_add_shape_parsing():
     for bad in ("ds=1,2", "ds=4,8,1,1,1", "ds", "=1,1,1,1,1", "ds=0,1,1,1,1"):
         with pytest.raises(SystemExit):
             bench_gpu.parse_shape(bad)
+
+
+def test_tuned_table_file_lays_the_tune_over_the_table_and_kt_reads_it(tmp_path, monkeypatch):
+    from kt.gpu_ops.configs import MoEConfig, table_for_device  # (KT_GPU_TABLE is read per call)
+
+    shipped = {"H64_I32_bf16": {"1": MoEConfig(block_m=16).to_dict(), "7": MoEConfig(block_m=32).to_dict()}}
+    found = {"H64_I32_bf16": {"7": MoEConfig(block_m=64, a8=False).to_dict()},
+             "H96_I48_int8": {"512": MoEConfig(block_m=64, a8=True, down_block_m=128).to_dict()}}
+    for gpu, name in (("NVIDIA H100 80GB HBM3", "h100_tuned.json"), ("NVIDIA GeForce RTX 4090", "gpu_tuned.json")):
+        path = bench_gpu.write_tuned_table(str(tmp_path), gpu, shipped, found)
+        assert os.path.basename(path) == name
+        monkeypatch.setenv("KT_GPU_TABLE", path)
+        table, source = table_for_device(gpu)
+        assert source == f"KT_GPU_TABLE={path}"
+        assert table["H64_I32_bf16"]["1"]["block_m"] == 16  # kept from the table the GPU used
+        assert table["H64_I32_bf16"]["7"]["block_m"] == 64  # the tune's entry wins
+        assert MoEConfig.from_dict(table["H96_I48_int8"]["512"]) == MoEConfig(block_m=64, a8=True, down_block_m=128)
+    assert shipped["H64_I32_bf16"]["7"]["block_m"] == 32  # the caller's table is not changed
