@@ -359,18 +359,27 @@ def combine_kernel(
 # Large N with more than 64 slots (align_by_slot picks the path): after zeroing the counters, three
 # launches, no host sync: count token-slots per slot (atomics), prefix-sum the padded counts in one
 # program (also writes each block's slot and the sentinel everywhere), scatter each token-slot to its
-# slot's next free row (atomics). The one-program path (small N) runs the same steps in one launch. The order of rows inside a slot is not fixed, which changes no
-# result: each row's dot products do not depend on the other rows of its tile.
+# slot's next free row (atomics). The one-program path (small N) runs the same steps in one launch.
+# The order of rows inside a slot is not fixed, which changes no result: each row's dot products do
+# not depend on the other rows of its tile.
 
 @triton.jit
-def _count_chunk(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, offs, N, E, S, BLOCK: tl.constexpr):
+def _slots_of(ids_ptr, e2s_ptr, slot_ptr, offs, N, E, S):
+    """slot[n] = expert_to_slot[ids[n]] for the token-slots offs (-1 for an id of -1 or outside
+    [0, E), or a slot outside [0, S)), stored and returned."""
     m = offs < N
     e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
     ok = m & (e >= 0) & (e < E)
     s = tl.load(e2s_ptr + tl.where(ok, e, 0), mask=ok, other=-1).to(tl.int32)
     s = tl.where((s >= 0) & (s < S), s, -1)
     tl.store(slot_ptr + offs, s, mask=m)
-    on = m & (s >= 0)
+    return s
+
+
+@triton.jit
+def _count_chunk(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, offs, N, E, S, BLOCK: tl.constexpr):
+    s = _slots_of(ids_ptr, e2s_ptr, slot_ptr, offs, N, E, S)
+    on = (offs < N) & (s >= 0)
     tl.atomic_add(counts_ptr + tl.where(on, s, 0), tl.full((BLOCK,), 1, tl.int32), mask=on)
 
 
@@ -441,20 +450,14 @@ def slot_scatter_kernel(slot_ptr, cursor_ptr, sorted_ids_ptr, N, BLOCK: tl.const
 @triton.jit
 def slot_hist_kernel(ids_ptr, e2s_ptr, slot_ptr, hist_ptr, N, E, S,
                      NSUB: tl.constexpr, SUB: tl.constexpr, SP2: tl.constexpr):
-    """slot[n] = expert_to_slot[ids[n]] (-1 as slot_count_kernel) for this program's NSUB * SUB
+    """slot[n] = expert_to_slot[ids[n]] (-1 as _slots_of) for this program's NSUB * SUB
     token-slots; hist[pid, s] = how many of them have slot s. ids [N] int; e2s [E] int32; hist [C, SP2]
     int32. (The sub-chunk loop is unrolled so that all its loads go out together.)"""
     pid = tl.program_id(0)
     lanes = tl.arange(0, SP2)
     count = tl.zeros((SP2,), tl.int32)
     for j in tl.static_range(NSUB):
-        offs = (pid * NSUB + j) * SUB + tl.arange(0, SUB)
-        m = offs < N
-        e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-        ok = m & (e >= 0) & (e < E)
-        s = tl.load(e2s_ptr + tl.where(ok, e, 0), mask=ok, other=-1).to(tl.int32)
-        s = tl.where((s >= 0) & (s < S), s, -1)
-        tl.store(slot_ptr + offs, s, mask=m)
+        s = _slots_of(ids_ptr, e2s_ptr, slot_ptr, (pid * NSUB + j) * SUB + tl.arange(0, SUB), N, E, S)
         count += tl.sum((s[:, None] == lanes[None, :]).to(tl.int32), 0)
     tl.store(hist_ptr + pid * SP2 + lanes, count)
 

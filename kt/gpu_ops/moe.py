@@ -374,10 +374,10 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
 
 def act_quant2(x, elems: int = _ACT_QUANT_ELEMS, num_warps: int = _ACT_QUANT_WARPS):
     """Two-level per-token int8 of x [T, H] (kt.reference.quantize_act2): (q [2, T, H] int8,
-    s [T, 2] fp32) with x ~ s[:, 0:1] * q[0] + s[:, 1:2] * q[1], which keeps about 15 bits of each row (error at most amax / 64516 per element, where bf16 keeps 8
-    bits of each value). One launch; each program takes whole rows, ``elems`` elements (a power of
-    two) or one row if that is longer (rows longer than 8192 elements are read in three passes),
-    with ``num_warps`` warps."""
+    s [T, 2] fp32) with x ~ s[:, 0:1] * q[0] + s[:, 1:2] * q[1], which keeps about 15 bits of each
+    row (error at most amax / 64516 per element, where bf16 keeps 8 bits of each value). One
+    launch; each program takes whole rows, ``elems`` elements (a power of two) or one row if that is
+    longer (rows longer than 8192 elements are read in three passes), with ``num_warps`` warps."""
     t, h = x.shape
     q = torch.empty((2, t, h), dtype=torch.int8, device=x.device)
     s = torch.empty((t, 2), dtype=torch.float32, device=x.device)
