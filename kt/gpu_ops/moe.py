@@ -15,9 +15,8 @@ same kernels run on CPU tensors (slowly; for tests).
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import contextlib
+from functools import lru_cache
 
 import torch
 
