@@ -176,10 +176,10 @@ def act_quant2_case(device, t, h, seed, dtype="fp32"):
     differ by an ulp); level-2 scales within 0.5 % (the residual, see below); level-1 codes equal
     under the interpreter; on a GPU, whose fp32 division may differ by an ulp and which fuses the
     residual's multiply and subtract, codes at most one apart and few of them; reconstruction:
-    within half a level-2 step of x (the two-level bound), up to fp32 rounding of the sum. Level-2 codes differ more often: a
-    GPU forms the residual x - q1 * s1 with one fused multiply-add (the reference rounds the
-    product first), which moves the residual by up to 2^-24 * 127 * s1, about 0.2 % of a level-2
-    step, so codes within that of a rounding boundary may flip."""
+    within half a level-2 step of x (the two-level bound), up to fp32 rounding of the sum. Level-2
+    codes differ more often: a GPU forms the residual x - q1 * s1 with one fused multiply-add (the
+    reference rounds the product first), which moves the residual by up to 2^-24 * 127 * s1, about
+    0.2 % of a level-2 step, so codes within that of a rounding boundary may flip."""
     from kt.gpu_ops import moe
 
     gen = torch.Generator().manual_seed(seed)
