@@ -194,6 +194,17 @@ def min_median_us(do_bench, fn, dry=False, rep=40):
     return ts[0], ts[len(ts) // 2]
 
 
+def interleaved_us(do_bench, fns, rounds, dry=False, rep=40):
+    """{name: (min, median) us} of each fn in ``fns``, timed in ``rounds`` interleaved rounds (each
+    round times every fn once, so a shared machine's drift falls on all of them): the minimum of
+    the rounds' minima and the median of their medians."""
+    per = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            per[k].append(min_median_us(do_bench, fn, dry, rep))
+    return {k: (min(v[0] for v in vs), sorted(v[1] for v in vs)[len(vs) // 2]) for k, vs in per.items()}
+
+
 def graph_of(torch, fn):
     """Warm up fn on a side stream, capture one call in a CUDA graph; returns (graph, its output)."""
     s = torch.cuda.Stream()

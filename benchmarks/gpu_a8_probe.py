@@ -142,11 +142,8 @@ def _align_layout(torch, out, n, bm):
     return slot.tolist(), used, {k: tuple(sorted(v)) for k, v in per_slot.items()}
 
 
-time_us = B.min_median_us  # (the a8 down probe imports it from here too)
-
-
 def probe_setup(doc, argv):
-    """The a8 probes' common start: parse --out / --rounds / --dry-run, switch the interpreter on
+    """The probe's start: parse --out / --rounds / --dry-run, switch the interpreter on
     for a dry run (before triton is first imported), measure the ceilings on a GPU. Returns (args,
     do_bench or None, device, ceilings or None)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
@@ -201,15 +198,9 @@ def main(argv=None):
         for k, fn in ok.items():
             case["variants"]["/".join(map(str, k))] = dict(code1_mismatches=_check(R, np, x, *fn(x)))
         graphs = {k: replay(lambda fn=fn: fn(x)) for k, fn in ok.items()}
-        for _ in range(a.rounds):
-            for k, gr in graphs.items():
-                mn, md = time_us(do_bench, gr, dry)
-                v = case["variants"]["/".join(map(str, k))]
-                v["min_us"] = min(v.get("min_us", 1e30), mn)
-                v.setdefault("medians", []).append(md)
+        for k, (mn, md) in B.interleaved_us(do_bench, graphs, a.rounds, dry).items():
+            case["variants"]["/".join(map(str, k))].update(min_us=mn, median_us=md)
         for v in case["variants"].values():
-            meds = sorted(v.pop("medians"))
-            v["median_us"] = meds[len(meds) // 2]
             if not dry:
                 v["hbm_frac"] = case["bytes"] / (v["min_us"] * 1e-6) / res["ceilings"]["hbm_bytes_per_s"]
         best = {}
@@ -241,13 +232,8 @@ def main(argv=None):
                 ref = ref or lay
                 assert lay == ref, (label, t, name)
                 graphs[name] = replay(lambda: M.align_by_slot(ids, e2s, ns, bm))
-            case["variants"][name] = dict(us=[])
-        for _ in range(a.rounds):
-            for name, gr in graphs.items():
-                case["variants"][name]["us"].append(time_us(do_bench, gr, dry))
-        for v in case["variants"].values():
-            mins, meds = zip(*v.pop("us"))
-            v.update(min_us=min(mins), median_us=sorted(meds)[len(meds) // 2])
+        for name, (mn, md) in B.interleaved_us(do_bench, graphs, a.rounds, dry).items():
+            case["variants"][name] = dict(min_us=mn, median_us=md)
         res["align"].append(case)
         print(f"align {label} T={t} N={n} S={ns} block_m={bm}: " + ", ".join(
             f"{k_} {v['min_us']:.1f} us" for k_, v in case["variants"].items()), flush=True)
@@ -284,14 +270,12 @@ def main(argv=None):
                 err = float(R.relative_error(fused_moe(x, ids, w, e2s, **wts, config=cfg), made[("ref", wname)]))
                 graphs[n] = replay(lambda wts=wts, cfg=cfg: fused_moe(x, ids, w, e2s, **wts, config=cfg))
             rows[n] = dict(weights=wname, quantiser="/".join(map(str, k)) if k else None, align=al or "shipped",
-                           config=cfg.to_dict(), rel_err=err, us=[])
-        for _ in range(a.rounds):
-            for n, gr in graphs.items():
-                rows[n]["us"].append(time_us(do_bench, gr, dry)[0])
+                           config=cfg.to_dict(), rel_err=err)
+        for n, (mn, md) in B.interleaved_us(do_bench, graphs, a.rounds, dry).items():
+            rows[n].update(min_us=mn, median_us=md)
     finally:
         M.act_quant2 = shipped
     for n, r in rows.items():
-        r["min_us"] = min(r["us"])
         if not dry:
             r["bf16_peak_frac"] = flops / (r["min_us"] * 1e-6) / res["ceilings"]["bf16_flops_per_s"]
         res["fused"].append(dict(variant=n, **r))

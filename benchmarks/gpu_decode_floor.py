@@ -63,11 +63,6 @@ def _starts(torch, slots, words_per_slot, chunk, dev):
     return torch.cat([s * words_per_slot + per for s in slots]).to(dev)
 
 
-def _times(do_bench, fn, dry):
-    mn, md = B.min_median_us(do_bench, fn, dry, rep=60)
-    return dict(min_us=mn, median_us=md)
-
-
 def _ceilings(torch, do_bench, read_kernel, dev):
     """A 4 GiB device copy (read + written bytes per second) and a 4 GiB read by read_kernel."""
     n_bytes = 4 << 30
@@ -182,18 +177,13 @@ def main(argv=None):
 
                     assert total(p13, p2) == total(pf) == int(want) % (1 << 32), (name, dtype, t)
                 reps = {k: capture(k, fn) for k, fn in fns.items()}
-                stats = {k: [] for k in reps}
-                for _ in range(a.rounds):
-                    for k, fn in reps.items():
-                        stats[k].append(_times(do_bench, fn, dry))
+                stats = B.interleaved_us(do_bench, reps, a.rounds, dry, rep=60)
                 # the op with the shipped config against the fp32 spec (TF32 off), as bench_gpu.py
                 err = float(R.relative_error(fused_moe(x, ids, w, e2s, **wts), B.ref_gpu(torch, x, ids, w, e2s,
                                                                                        w13f, w2f)))
                 case = dict(shape=name, dtype=dtype, T=t, touched_slots=len(touched), bytes=nbytes,
                             fused_moe_rel_err=err, fused_moe_correct=err <= 1e-2)
-                for k, v in stats.items():
-                    mn = min(r["min_us"] for r in v)
-                    md = sorted(r["median_us"] for r in v)[len(v) // 2]
+                for k, (mn, md) in stats.items():
                     case[k] = dict(min_us=round(mn, 2), median_us=round(md, 2),
                                    hbm_copy_frac=round(nbytes / (mn * 1e-6) / bw_copy, 3),
                                    hbm_read_frac=round(nbytes / (mn * 1e-6) / bw_read, 3))

@@ -78,3 +78,16 @@ def test_tuned_table_file_lays_the_tune_over_the_table_and_kt_reads_it(tmp_path,
         assert table["H64_I32_bf16"]["7"]["block_m"] == 64  # the tune's entry wins
         assert MoEConfig.from_dict(table["H96_I48_int8"]["512"]) == MoEConfig(block_m=64, a8=True, down_block_m=128)
     assert shipped["H64_I32_bf16"]["7"]["block_m"] == 32  # the caller's table is not changed
+
+
+def test_interleaved_rounds_take_the_least_minimum_and_the_median_median():
+    order, times = [], {"a": iter([[3.0, 5.0, 4.0], [2.0, 9.0, 9.0], [6.0, 7.0, 8.0]]),
+                        "b": iter([[1.0, 1.0, 1.0]] * 3)}
+
+    def do_bench(fn, warmup, rep, return_mode):  # ms, as triton's; fn names the series
+        order.append(fn)
+        return next(times[fn])
+
+    got = bench_gpu.interleaved_us(do_bench, {"a": "a", "b": "b"}, 3)
+    assert order == ["a", "b"] * 3  # every round times every fn once
+    assert got["a"] == (2000.0, 7000.0) and got["b"] == (1000.0, 1000.0)
