@@ -123,7 +123,8 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
                                       CHUNK=chunk, FILL=_FILL)
     elif sp2 <= _ALIGN_TWO_LAUNCH_MAX_SLOTS:
         # Each program takes nsub sub-chunks of `sub` token-slots, each against all slots at once
-        # (one-hot tiles of 4096 elements); nsub grows with N so that there are 32-128 programs.
+        # (one-hot tiles of 4096 elements); nsub grows with N up to 4 (so 32-128 programs up to
+        # N = 256 * sub, more beyond).
         sub = max(8, min(256, 4096 // sp2))
         nsub = min(4, _np2(max(1, -(-n // (sub * 64)))))
         c = max(1, -(-n // (nsub * sub)))  # (program 0 writes num_padded: one program even for N = 0)
