@@ -10,6 +10,8 @@ Sections (each independent; a failure is recorded and the script goes on):
   graph_overlap  the same for T in {1, 8, 64} with the layer (and the GPU part alone) replayed from
                CUDA graphs, as decode runs it; the gated CPU part (the default) interleaved with
                the polled one (kt._stream_bridge)
+  eager_graphs the eager T in {1, 8} cases with the layer's own CUDA graphs (the default) against
+               the always-eager path, interleaved, and a 4-layer eager step
   graph        a 4-layer decode step captured in a CUDA graph, replayed: identical to eager?
   concurrency  forwards on one stream while another thread keeps calling update_placement
   prefill      T=4096 with layer-wise GPU prefill vs the CPU path, and what "auto" picks
@@ -102,6 +104,22 @@ def _unpacked(p):
     return u.q, u.scale
 
 
+def _parts_alone(cpu, layer, x, ids, w, reps):
+    """(min, median) seconds of the layer's CPU part alone (the same CPU experts, inputs already on
+    the host) and of its GPU part alone (the Triton experts, eager; zeros without GPU experts)."""
+    from kt.gpu_ops import fused_moe
+
+    xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
+    mask = layer.gpu_mask
+    cpu_alone = timed(lambda: cpu(xc, ic, wc, gpu_mask=mask if mask.any() else None), reps)
+    gpu_alone = (0.0, 0.0)
+    g = layer._gpu
+    if g is not None:
+        gpu_alone = timed(lambda: fused_moe(x, ids, w, g["e2s"], g["w13"], g["w2"],
+                                            w13_scale=g["w13_scale"], w2_scale=g["w2_scale"]), reps)
+    return cpu_alone, gpu_alone
+
+
 def section_overlap(cpu, dev, res, reps, ts=(1, 8, 64, 512, 4096)):
     gen = torch.Generator().manual_seed(1)
     rows = []
@@ -113,17 +131,7 @@ def section_overlap(cpu, dev, res, reps, ts=(1, 8, 64, 512, 4096)):
             ids, w = routing(t, E, K, gen, dev)
             hyb = timed(lambda: layer(x, ids, w), reps)
             enq = enqueue_time(lambda: layer(x, ids, w), reps) if t <= 64 else None
-            # CPU part alone: the same CPU experts, inputs already on the host
-            xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
-            mask = row >= 0
-            cpu_alone = timed(lambda: cpu(xc, ic, wc, gpu_mask=mask if mask.any() else None), reps)
-            gpu_alone = (0.0, 0.0)
-            if layer._gpu is not None:
-                from kt.gpu_ops import fused_moe
-
-                g = layer._gpu
-                gpu_alone = timed(lambda: fused_moe(x, ids, w, g["e2s"], g["w13"], g["w2"],
-                                                    w13_scale=g["w13_scale"], w2_scale=g["w2_scale"]), reps)
+            cpu_alone, gpu_alone = _parts_alone(cpu, layer, x, ids, w, reps)
             bound = max(cpu_alone[0], gpu_alone[0])
             rows.append(dict(gpu_frac=frac, T=t, hybrid_min_ms=hyb[0] * 1e3, hybrid_med_ms=hyb[1] * 1e3,
                              cpu_alone_min_ms=cpu_alone[0] * 1e3, gpu_alone_min_ms=gpu_alone[0] * 1e3,
@@ -134,6 +142,62 @@ def section_overlap(cpu, dev, res, reps, ts=(1, 8, 64, 512, 4096)):
                   f"  gpu {gpu_alone[0]*1e3:8.3f}  ratio {rows[-1]['ratio_to_max']}"
                   + (f"  enqueue {enq * 1e3:.3f}" if enq is not None else ""), flush=True)
     res["overlap"] = rows
+
+
+def section_eager_graphs(cpu, dev, res, reps, rounds=4):
+    """Eager decode-sized calls as a model's eager forward makes them: the layer replaying its own
+    CUDA graphs (graph_max_tokens=8, the default) against the always-eager path
+    (graph_max_tokens=0), interleaved rounds, each against max(CPU part alone, GPU part alone);
+    outputs compared bit for bit. Then a 4-layer eager step at T=1 (25 % on the GPU), each
+    layer's output the next one's input."""
+    gen = torch.Generator().manual_seed(6)
+    rows = []
+    for frac in (0.0, 0.25, 0.5, 1.0):
+        row = placement_row(frac, E, 2)
+        layers = {"graphs": HybridMoE(cpu, row, device=dev),
+                  "eager": HybridMoE(cpu, row, device=dev, graph_max_tokens=0)}
+        for t in (1, 8):
+            x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+            ids, w = routing(t, E, K, gen, dev)
+            ts = {n: [] for n in layers}
+            enq = {n: [] for n in layers}
+            for _ in range(rounds):
+                for n, layer in layers.items():
+                    ts[n].append(timed(lambda: layer(x, ids, w), reps))
+                    enq[n].append(enqueue_time(lambda: layer(x, ids, w), reps))
+            same = torch.equal(layers["graphs"](x, ids, w), layers["eager"](x, ids, w))
+            cpu_alone, gpu_alone = _parts_alone(cpu, layers["eager"], x, ids, w, reps)
+            bound = max(cpu_alone[0], gpu_alone[0])
+            r = dict(gpu_frac=frac, T=t, cpu_alone_min_ms=cpu_alone[0] * 1e3,
+                     gpu_alone_min_ms=gpu_alone[0] * 1e3, bit_identical=same,
+                     replays=layers["graphs"].graphs.replays)
+            for n in layers:
+                lo, med = min(a for a, _ in ts[n]), statistics.median(m for _, m in ts[n])
+                r.update({f"{n}_min_ms": lo * 1e3, f"{n}_med_ms": med * 1e3,
+                          f"{n}_enqueue_min_ms": min(enq[n]) * 1e3, f"{n}_ratio_to_max": lo / bound,
+                          f"{n}_target_ok": lo <= 1.15 * bound + 50e-6})
+            rows.append(r)
+            print(f"eager graphs frac={frac:.2f} T={t}: graphs {r['graphs_min_ms']:.3f} ms (enqueue "
+                  f"{r['graphs_enqueue_min_ms']:.3f}), eager {r['eager_min_ms']:.3f} ({r['eager_enqueue_min_ms']:.3f}); "
+                  f"cpu {r['cpu_alone_min_ms']:.3f} gpu {r['gpu_alone_min_ms']:.3f}; ok {r['graphs_target_ok']} "
+                  f"/ {r['eager_target_ok']}; identical {same}", flush=True)
+    step = {}
+    row = placement_row(0.25, E, 2)
+    x = (torch.randn(1, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+    ids, w = routing(1, E, K, gen, dev)
+    for n, gmax in (("graphs", 8), ("eager", 0)):
+        stack = [HybridMoE(cpu, row, device=dev, graph_max_tokens=gmax) for _ in range(4)]
+
+        def four():
+            y = x
+            for layer in stack:
+                y = layer(y, ids, w)
+            return y
+
+        step[n] = timed(four, 3 * reps)
+    res["eager_graphs"] = dict(rows=rows, step4_T1_25pct_min_ms={n: v[0] * 1e3 for n, v in step.items()},
+                               step4_T1_25pct_med_ms={n: v[1] * 1e3 for n, v in step.items()})
+    print("eager 4-layer step, T=1, 25 %:", res["eager_graphs"]["step4_T1_25pct_min_ms"], flush=True)
 
 
 def section_graph_overlap(cpu, dev, res, reps):
@@ -285,44 +349,48 @@ def _graph_case(cpu, dev, frac, t, d, GraphRunner, DeferredChain):
     return dict(bit_identical=same, replay_ms=per * 1e3, eager_min_ms=eager_t[0] * 1e3)
 
 
-def section_concurrency(cpu, dev, res):
-    """Forwards in one thread (own stream) while another thread keeps re-placing experts."""
+def section_concurrency(cpu, dev, res, seconds=5.0):
+    """Forwards in one thread (own stream) while another thread keeps re-placing experts; T=16
+    runs the eager path, T=4 the layer's own CUDA graphs (dropped and captured again as the
+    placement changes under them)."""
     import threading
 
-    layer = HybridMoE(cpu, placement_row(0.25, E, 20), device=dev, gpu_dtype="int8")
-    gen = torch.Generator().manual_seed(7)
-    t = 16
-    x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16)
-    ids, w = routing(t, E, K, gen, "cpu")
-    q13 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w13.expert(e))) for e in range(E)]
-    q2 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w2.expert(e))) for e in range(E)]
-    exp = ref.moe_forward_quantized(x.float(), ids, w, q13, q2)
-    xd, idd, wd = x.to(dev), ids.to(dev), w.to(dev)
-    stop = threading.Event()
-    errs, updates = [], [0]
+    res["concurrency"] = {}
+    for t in (16, 4):
+        layer = HybridMoE(cpu, placement_row(0.25, E, 20), device=dev, gpu_dtype="int8")
+        gen = torch.Generator().manual_seed(7)
+        x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16)
+        ids, w = routing(t, E, K, gen, "cpu")
+        q13 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w13.expert(e))) for e in range(E)]
+        q2 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w2.expert(e))) for e in range(E)]
+        exp = ref.moe_forward_quantized(x.float(), ids, w, q13, q2)
+        xd, idd, wd = x.to(dev), ids.to(dev), w.to(dev)
+        stop = threading.Event()
+        errs, updates = [], [0]
 
-    def replacer():
-        k = 0
-        while not stop.is_set():
-            layer.update_placement(placement_row([0.1, 0.25, 0.5][k % 3], E, 100 + k))
-            updates[0] += 1
-            k += 1
+        def replacer():
+            k = 0
+            while not stop.is_set():
+                layer.update_placement(placement_row([0.1, 0.25, 0.5][k % 3], E, 100 + k))
+                updates[0] += 1
+                k += 1
 
-    th = threading.Thread(target=replacer)
-    th.start()
-    s = torch.cuda.Stream()
-    t_end = time.perf_counter() + 8.0
-    n = 0
-    with torch.cuda.stream(s):
-        while time.perf_counter() < t_end:
-            y = layer(xd, idd, wd).float().cpu()
-            errs.append(ref.relative_error(y, exp))
-            n += 1
-    stop.set()
-    th.join()
-    res["concurrency"] = dict(forwards=n, placement_updates=updates[0], max_rel_err=max(errs),
-                              ok=max(errs) < 0.02)
-    print("concurrency", res["concurrency"], flush=True)
+        th = threading.Thread(target=replacer)
+        th.start()
+        s = torch.cuda.Stream()
+        t_end = time.perf_counter() + seconds
+        n = 0
+        with torch.cuda.stream(s):
+            while time.perf_counter() < t_end:
+                y = layer(xd, idd, wd).float().cpu()
+                errs.append(ref.relative_error(y, exp))
+                n += 1
+        stop.set()
+        th.join()
+        res["concurrency"][f"T{t}"] = dict(forwards=n, placement_updates=updates[0], max_rel_err=max(errs),
+                                           graph_captures=layer.graphs.captures,
+                                           graph_replays=layer.graphs.replays, ok=max(errs) < 0.02)
+        print("concurrency", t, res["concurrency"][f"T{t}"], flush=True)
 
 
 def section_prefill(cpu, dev, res, reps):
@@ -403,6 +471,7 @@ def main():
               "overlap": lambda: section_overlap(cpu, dev, res, args.reps,
                                                  tuple(int(v) for v in args.overlap_T.split(","))),
               "graph_overlap": lambda: section_graph_overlap(cpu, dev, res, args.reps),
+              "eager_graphs": lambda: section_eager_graphs(cpu, dev, res, args.reps),
               "switch": lambda: section_switch(cpu, dev, res, args.reps),
               "eager_profile": lambda: section_eager_profile(cpu, dev, res),
               "graph": lambda: section_graph(cpu, dev, res),

@@ -210,11 +210,18 @@ class HybridMoE:
     gpu_dtype: "bf16" or "int8" (weight-only, per-row scales; needs the INT8 CPU scheme).
     max_deferred_experts_per_token / chain / is_last_layer: deferral (see module doc).
     gpu_prefill_token_threshold: None (off), an int, or "auto".
+    graph_max_tokens: eager CUDA calls with at most this many tokens are replayed from CUDA graphs
+      the layer captures itself (``kt._decode_graphs``; bit-identical, several times less host
+      time); 0 = always eager. Not used with deferral or inside the caller's own capture.
     """
 
     def __init__(self, cpu_moe, gpu_slot=None, *, device=None, gpu_dtype: str = "bf16",
                  max_deferred_experts_per_token: int = 0, chain: DeferredChain | None = None,
-                 is_last_layer: bool = False, gpu_prefill_token_threshold=None, layer_idx: int = 0):
+                 is_last_layer: bool = False, gpu_prefill_token_threshold=None, layer_idx: int = 0,
+                 graph_max_tokens: int = 8):
+        from ._decode_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(graph_max_tokens)
         self.cpu = cpu_moe
         self.num_experts = int(cpu_moe.num_experts)
         self.hidden = int(cpu_moe.hidden)
@@ -384,7 +391,13 @@ class HybridMoE:
             out = self._forward_gpu_prefill(x, topk_ids, topk_weights)
         else:
             path = "hybrid"
-            out = self._forward_hybrid(x, topk_ids, topk_weights, gpu, cpu_expert, mask, all_gpu)
+            if self.graphs.wanted(x, self.chain is not None):
+                out = self.graphs.run(
+                    lambda: (gpu, mask) + self._bridge_buffers(),
+                    lambda a, b, c: self._forward_hybrid(a, b, c, gpu, cpu_expert, mask, all_gpu),
+                    x, topk_ids, topk_weights)
+            else:
+                out = self._forward_hybrid(x, topk_ids, topk_weights, gpu, cpu_expert, mask, all_gpu)
         self.stats.paths[path] += 1
         self.stats.last_path = path
         if self.after_forward is not None:
@@ -433,7 +446,10 @@ class HybridMoE:
         """Stream-ordered CPU part around the GPU work ``gpu_fn`` (see module doc); mask: the GPU
         experts to skip, or None."""
         bridge = self._get_bridge()
-        ids_now, ids_later = split_deferred(topk_ids, topk_weights, cpu_expert, self.max_deferred)
+        if self.max_deferred:
+            ids_now, ids_later = split_deferred(topk_ids, topk_weights, cpu_expert, self.max_deferred)
+        else:  # (split_deferred would also build an unused all -1 tensor: one more launch)
+            ids_now, ids_later = topk_ids, None
         job = bridge.start(x, ids_now, topk_weights, mask)  # D2H + "start" on the stream
         gpu_out = gpu_fn() if gpu_fn is not None else None
         cpu_out = bridge.finish(job)  # stream waits for "done", then H2D
@@ -443,6 +459,11 @@ class HybridMoE:
             later = bridge.start(x, ids_later, topk_weights, mask, slot="deferred")
             self.chain.put(_StreamPending(bridge, later))
         return out
+
+    def _bridge_buffers(self) -> tuple:
+        """The pinned buffers a captured forward reads and writes (reallocated for larger calls)."""
+        ch = self._bridge.channels["now"] if self._bridge is not None else None
+        return (None, None) if ch is None else (ch.h_x, ch.d_out)
 
     def _get_bridge(self):
         if self._bridge is None:

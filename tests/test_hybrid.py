@@ -123,6 +123,9 @@ def test_bad_placements_and_inputs(weights):
         HybridMoE.from_tensors(gate, up, down, None, scheme="int8", gpu_prefill_token_threshold=64)
     with pytest.raises(ValueError, match="device"):
         HybridMoE.from_tensors(gate, up, down, None, scheme="int8", device="cpu")
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="graph_max_tokens"):
+            HybridMoE(layer.cpu, None, graph_max_tokens=bad)
 
 
 def test_prefill_cost_model_threshold_is_monotone_in_pcie_bandwidth():
@@ -173,15 +176,30 @@ def test_dynamic_replacement_follows_the_routing():
     assert layers[0].observer is None
 
 
+def _spread_row(frac):
+    """An [E] placement row with round(frac * E) experts spread over the ids, slots in id order."""
+    row = np.full(E, -1, np.int64)
+    n = int(round(frac * E))
+    row[np.arange(0, E, max(1, E // max(n, 1)))[:n]] = np.arange(n)
+    return row
+
+
+def _cuda_routing(rng, t):
+    """Fresh bf16 x, ids (a few -1 slots) and weights on the GPU."""
+    x = torch.from_numpy(rng.standard_normal((t, H)).astype(np.float32)).to(torch.bfloat16)
+    ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(t)]))
+    ids[rng.random((t, K)) < 0.15] = -1
+    w = torch.from_numpy(rng.random((t, K), dtype=np.float32))
+    return x.cuda(), ids.cuda(), w.cuda()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (HybridMoE's GPU experts)")
 @pytest.mark.parametrize("frac", [0.0, 0.5, 1.0])
 def test_cuda_placements_match_the_cpu_layer(weights, frac):
     """On a GPU: all-CPU, half and all-GPU placements (the last one runs the Triton experts alone)
     agree with the same layer computed on the CPU within the GPU kernels' bf16 rounding."""
     gate, up, down = weights
-    row = np.full(E, -1, np.int64)
-    n = int(round(frac * E))
-    row[np.arange(0, E, max(1, E // max(n, 1)))[:n]] = np.arange(n)
+    row = _spread_row(frac)
     # two-level activations: the CPU side's activation rounding is negligible, so what is left
     # between the two is the GPU's bf16 arithmetic on the same dequantised INT8 weights
     cpu_only = HybridMoE.from_tensors(gate, up, down, None, scheme="int8", activations="int8x2")
@@ -229,3 +247,70 @@ def test_cuda_layerwise_prefill_with_prefetch_matches_the_cpu_path(scheme):
             assert ref.relative_error(got, want) < 1e-2, (rep, scheme, ref.relative_error(got, want))
         # the first pass learns the order; in the second, layers 1 and 2 were copied ahead
         assert stage.prefetch_hits - hits == (0 if rep == 0 else 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+@pytest.mark.parametrize("frac", [0.0, 0.5, 1.0])
+def test_decode_graphs_are_bit_identical_to_eager(weights, frac):
+    """Eager calls of up to graph_max_tokens tokens replay graphs the layer captured itself (at a
+    shape's second call). Every output equals the always-eager layer's bit for bit: on fresh
+    inputs, across shapes, after a larger call reallocated the bridge's pinned buffers, and after
+    a placement change (which drops the graphs and captures again)."""
+    gate, up, down = weights
+    cpu = HybridMoE.from_tensors(gate, up, down, None, scheme="int8").cpu
+    row = _spread_row(frac)
+    g = HybridMoE(cpu, row, device="cuda")  # graph_max_tokens=8, the default
+    e = HybridMoE(cpu, row, device="cuda", graph_max_tokens=0)
+    rng = np.random.default_rng(7)
+
+    def calls(*ts):
+        for t in ts:
+            x, ids, w = _cuda_routing(rng, t)
+            a, b = g(x, ids, w), e(x, ids, w)
+            assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), (frac, t)
+
+    calls(1, 3, 8, 1, 3, 8, 1, 9, 9)
+    assert (g.graphs.captures, g.graphs.replays, e.graphs.replays) == (3, 4, 0)
+    calls(40, 1, 1, 1)  # 40 rows > the pinned buffers' 16: reallocated, the graphs dropped
+    assert g.graphs.replays >= 5
+    new = np.roll(row, 3)
+    g.update_placement(new)
+    e.update_placement(new)
+    before = g.graphs.replays
+    calls(1, 1, 3, 3)
+    assert g.graphs.replays == before + 2 and g.graphs.disabled is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_decode_graphs_stay_out_of_a_callers_capture_and_of_deferral(weights):
+    """Inside a GraphRunner capture the layer runs its eager path (the caller's graph holds its
+    kernels) and the runner's replay matches eager; layers with deferral never capture."""
+    from kt._stream_bridge import GraphRunner
+
+    gate, up, down = weights
+    cpu = HybridMoE.from_tensors(gate, up, down, None, scheme="int8").cpu
+    row = _spread_row(0.5)
+    g = HybridMoE(cpu, row, device="cuda")
+    e = HybridMoE(cpu, row, device="cuda", graph_max_tokens=0)
+    rng = np.random.default_rng(8)
+    x, ids, w = _cuda_routing(rng, 2)
+    g(x, ids, w)
+    g(x, ids, w)
+    assert (g.graphs.captures, g.graphs.replays) == (1, 1)
+    runner = GraphRunner()
+    with runner.capture():
+        y = g(x, ids, w)
+    assert (g.graphs.captures, g.graphs.replays) == (1, 1)
+    for _ in range(3):
+        x2, ids2, w2 = _cuda_routing(rng, 2)
+        for static, new in ((x, x2), (ids, ids2), (w, w2)):
+            static.copy_(new)
+        runner.replay()
+        assert torch.equal(y, e(x2, ids2, w2))
+    chain = DeferredChain()
+    d0 = HybridMoE(cpu, row, device="cuda", max_deferred_experts_per_token=1, chain=chain)
+    d1 = HybridMoE(cpu, row, device="cuda", chain=chain, is_last_layer=True)
+    for _ in range(3):
+        d1(d0(x, ids, w), ids, w)
+    torch.cuda.synchronize()
+    assert d0.graphs.captures == d1.graphs.captures == 0
