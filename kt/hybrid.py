@@ -11,6 +11,10 @@ Data flow of ``forward`` with CUDA tensors (no host synchronisation, CUDA-graph 
 The CPU pool's job is published before the stream reaches "start" and its threads wait for the
 flag inside it (``kt._stream_bridge``, ``CPUMoE.submit_gated``).
 
+Eager decode-sized calls (T <= ``graph_max_tokens``) replay a CUDA graph of the same forward that
+the layer captured itself (``kt._decode_graphs``): same kernels, same output bits, none of the
+eager path's host Python.
+
 Deferred experts (``max_deferred_experts_per_token = d``): for each token, its d lowest-weight
 CPU experts are not waited for in this layer; they are computed while the next layer runs and
 their contribution is added to the *next* layer's MoE output. This changes the model's math (the
