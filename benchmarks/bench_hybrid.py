@@ -104,23 +104,34 @@ def _unpacked(p):
     return u.q, u.scale
 
 
-def _parts_alone(cpu, layer, x, ids, w, reps):
-    """(min, median) seconds of the layer's CPU part alone (the same CPU experts, inputs already on
-    the host) and of its GPU part alone (the Triton experts, eager; zeros without GPU experts)."""
+def _part_fns(cpu, layer, x, ids, w):
+    """Callables for the layer's CPU part alone (the same CPU experts, inputs already on the host)
+    and its GPU part alone (the Triton experts, eager; absent without GPU experts)."""
     from kt.gpu_ops import fused_moe
 
     xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
     mask = layer.gpu_mask
-    cpu_alone = timed(lambda: cpu(xc, ic, wc, gpu_mask=mask if mask.any() else None), reps)
-    gpu_alone = (0.0, 0.0)
+    fns = {"cpu_alone": lambda: cpu(xc, ic, wc, gpu_mask=mask if mask.any() else None)}
     g = layer._gpu
     if g is not None:
-        gpu_alone = timed(lambda: fused_moe(x, ids, w, g["e2s"], g["w13"], g["w2"],
-                                            w13_scale=g["w13_scale"], w2_scale=g["w2_scale"]), reps)
-    return cpu_alone, gpu_alone
+        fns["gpu_alone"] = lambda: fused_moe(x, ids, w, g["e2s"], g["w13"], g["w2"],
+                                             w13_scale=g["w13_scale"], w2_scale=g["w2_scale"])
+    return fns
 
 
-def section_overlap(cpu, dev, res, reps, ts=(1, 8, 64, 512, 4096)):
+def interleaved(fns, reps, rounds):
+    """{name: (min, median of the rounds' medians) seconds}: each round times every callable in
+    turn (``timed``: reps calls, a host sync after each), so drift of the machine hits all alike."""
+    got = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, f in fns.items():
+            got[n].append(timed(f, reps))
+    return {n: (min(a for a, _ in v), statistics.median(m for _, m in v)) for n, v in got.items()}
+
+
+def section_overlap(cpu, dev, res, reps, ts=(1, 8, 64, 512, 4096), rounds=3):
+    """Eager layer calls (with the layer's own CUDA graphs at T <= 8, the default) against the CPU
+    part alone and the GPU part alone, the three interleaved in rounds."""
     gen = torch.Generator().manual_seed(1)
     rows = []
     for frac in (0.0, 0.25, 0.5, 1.0):
@@ -129,9 +140,11 @@ def section_overlap(cpu, dev, res, reps, ts=(1, 8, 64, 512, 4096)):
         for t in ts:
             x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
             ids, w = routing(t, E, K, gen, dev)
-            hyb = timed(lambda: layer(x, ids, w), reps)
+            fns = dict(hybrid=lambda: layer(x, ids, w), **_part_fns(cpu, layer, x, ids, w))
+            got = interleaved(fns, reps, rounds if t < 4096 else 2)
             enq = enqueue_time(lambda: layer(x, ids, w), reps) if t <= 64 else None
-            cpu_alone, gpu_alone = _parts_alone(cpu, layer, x, ids, w, reps)
+            hyb = got["hybrid"]
+            cpu_alone, gpu_alone = got["cpu_alone"], got.get("gpu_alone", (0.0, 0.0))
             bound = max(cpu_alone[0], gpu_alone[0])
             rows.append(dict(gpu_frac=frac, T=t, hybrid_min_ms=hyb[0] * 1e3, hybrid_med_ms=hyb[1] * 1e3,
                              cpu_alone_min_ms=cpu_alone[0] * 1e3, gpu_alone_min_ms=gpu_alone[0] * 1e3,
@@ -139,7 +152,8 @@ def section_overlap(cpu, dev, res, reps, ts=(1, 8, 64, 512, 4096)):
                              target_ok=hyb[0] <= 1.15 * bound + 50e-6,
                              hybrid_enqueue_min_ms=enq * 1e3 if enq is not None else None))
             print(f"overlap frac={frac:.2f} T={t:5d} hybrid {hyb[0]*1e3:8.3f} ms  cpu {cpu_alone[0]*1e3:8.3f}"
-                  f"  gpu {gpu_alone[0]*1e3:8.3f}  ratio {rows[-1]['ratio_to_max']}"
+                  f"  gpu {gpu_alone[0]*1e3:8.3f}  ratio {rows[-1]['ratio_to_max']:.2f}"
+                  f"  ok {rows[-1]['target_ok']}"
                   + (f"  enqueue {enq * 1e3:.3f}" if enq is not None else ""), flush=True)
     res["overlap"] = rows
 
@@ -147,9 +161,9 @@ def section_overlap(cpu, dev, res, reps, ts=(1, 8, 64, 512, 4096)):
 def section_eager_graphs(cpu, dev, res, reps, rounds=4):
     """Eager decode-sized calls as a model's eager forward makes them: the layer replaying its own
     CUDA graphs (graph_max_tokens=8, the default) against the always-eager path
-    (graph_max_tokens=0), interleaved rounds, each against max(CPU part alone, GPU part alone);
-    outputs compared bit for bit. Then a 4-layer eager step at T=1 (25 % on the GPU), each
-    layer's output the next one's input."""
+    (graph_max_tokens=0), each against max(CPU part alone, GPU part alone), all four interleaved
+    in rounds; outputs compared bit for bit. Then a 4-layer eager step at T=1 (25 % on the GPU),
+    each layer's output the next one's input."""
     gen = torch.Generator().manual_seed(6)
     rows = []
     for frac in (0.0, 0.25, 0.5, 1.0):
@@ -159,42 +173,40 @@ def section_eager_graphs(cpu, dev, res, reps, rounds=4):
         for t in (1, 8):
             x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
             ids, w = routing(t, E, K, gen, dev)
-            ts = {n: [] for n in layers}
-            enq = {n: [] for n in layers}
-            for _ in range(rounds):
-                for n, layer in layers.items():
-                    ts[n].append(timed(lambda: layer(x, ids, w), reps))
-                    enq[n].append(enqueue_time(lambda: layer(x, ids, w), reps))
+            fns = {n: (lambda layer=layer: layer(x, ids, w)) for n, layer in layers.items()}
+            got = interleaved(dict(fns, **_part_fns(cpu, layers["eager"], x, ids, w)), reps, rounds)
+            enq = {n: enqueue_time(f, reps) for n, f in fns.items()}
             same = torch.equal(layers["graphs"](x, ids, w), layers["eager"](x, ids, w))
-            cpu_alone, gpu_alone = _parts_alone(cpu, layers["eager"], x, ids, w, reps)
+            cpu_alone, gpu_alone = got["cpu_alone"], got.get("gpu_alone", (0.0, 0.0))
             bound = max(cpu_alone[0], gpu_alone[0])
             r = dict(gpu_frac=frac, T=t, cpu_alone_min_ms=cpu_alone[0] * 1e3,
                      gpu_alone_min_ms=gpu_alone[0] * 1e3, bit_identical=same,
                      replays=layers["graphs"].graphs.replays)
             for n in layers:
-                lo, med = min(a for a, _ in ts[n]), statistics.median(m for _, m in ts[n])
+                lo, med = got[n]
                 r.update({f"{n}_min_ms": lo * 1e3, f"{n}_med_ms": med * 1e3,
-                          f"{n}_enqueue_min_ms": min(enq[n]) * 1e3, f"{n}_ratio_to_max": lo / bound,
+                          f"{n}_enqueue_min_ms": enq[n] * 1e3, f"{n}_ratio_to_max": lo / bound,
                           f"{n}_target_ok": lo <= 1.15 * bound + 50e-6})
             rows.append(r)
             print(f"eager graphs frac={frac:.2f} T={t}: graphs {r['graphs_min_ms']:.3f} ms (enqueue "
                   f"{r['graphs_enqueue_min_ms']:.3f}), eager {r['eager_min_ms']:.3f} ({r['eager_enqueue_min_ms']:.3f}); "
                   f"cpu {r['cpu_alone_min_ms']:.3f} gpu {r['gpu_alone_min_ms']:.3f}; ok {r['graphs_target_ok']} "
                   f"/ {r['eager_target_ok']}; identical {same}", flush=True)
-    step = {}
     row = placement_row(0.25, E, 2)
     x = (torch.randn(1, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
     ids, w = routing(1, E, K, gen, dev)
+    steps = {}
     for n, gmax in (("graphs", 8), ("eager", 0)):
         stack = [HybridMoE(cpu, row, device=dev, graph_max_tokens=gmax) for _ in range(4)]
 
-        def four():
+        def four(stack=stack):
             y = x
             for layer in stack:
                 y = layer(y, ids, w)
             return y
 
-        step[n] = timed(four, 3 * reps)
+        steps[n] = four
+    step = interleaved(steps, 3 * reps, rounds)
     res["eager_graphs"] = dict(rows=rows, step4_T1_25pct_min_ms={n: v[0] * 1e3 for n, v in step.items()},
                                step4_T1_25pct_med_ms={n: v[1] * 1e3 for n, v in step.items()})
     print("eager 4-layer step, T=1, 25 %:", res["eager_graphs"]["step4_T1_25pct_min_ms"], flush=True)
