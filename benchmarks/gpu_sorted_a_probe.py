@@ -179,8 +179,10 @@ def main(argv=None):
         a8 = bool(cfg.a8)
         slot32, sorted_ids, block_slot, num_padded = M.align_by_slot(ids, e2s, s, align)
         p = sorted_ids.numel()
-        row_tok = torch.where(sorted_ids < n, sorted_ids // k, 0).long()
-        row_ts = torch.where(sorted_ids < n, sorted_ids, 0).long()
+        # (rows past num_padded hold whatever the alignment left there: any value)
+        real = (sorted_ids >= 0) & (sorted_ids < n)
+        row_tok = torch.where(real, sorted_ids // k, 0).long()
+        row_ts = torch.where(real, sorted_ids, 0).long()
         if a8:
             xq, xs = M.act_quant2(x)
             xa, sxl = xq, xq.stride(0)
