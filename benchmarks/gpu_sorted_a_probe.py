@@ -170,7 +170,10 @@ def main(argv=None):
     res = dict(shape=sh, T=t, ceilings=ceilings, kernels={}, checks={})
     runs, checks = {}, {}
     programs = M._INTERPRETER_PROGRAMS if dry else M._PROGRAMS_PER_SM * M._num_sms(0)
-    for wname in ("int8", "bf16"):
+
+    def case(wname):
+        """Checks and timed callables of one weight dtype (a scope of its own: the callables must
+        keep this case's tensors and configs)."""
         (wts, _) = B.make_weights(torch, sh, wname, dev, 2)
         cfg = (M.MoEConfig(block_m=16, block_n=16, block_k=32, a8=wname == "int8", tma=True) if dry
                else M._default_config(t, k, s, H, I, wname, 0))
@@ -253,6 +256,9 @@ def main(argv=None):
             f"{wname}_down_sorted": lambda dn=dn, y=y2, d=a_desc_dn: dn(True, y, d),
         })
         res["kernels"][wname] = dict(config=cfg.to_dict(), P=p, rows_used=int(used.numel()))
+
+    for wname in ("int8", "bf16"):
+        case(wname)
     res["checks"] = checks
     print("checks:", checks, flush=True)
     graphs = {name: (fn if dry else B.graph_of(torch, fn)[0].replay) for name, fn in runs.items()}
