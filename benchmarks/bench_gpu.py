@@ -377,16 +377,17 @@ def stage_times(torch, do_bench, x, ids, w, e2s, wts, sh, cfg):
     al = cfg.align_m
     slot32, sid, bsl, npad = M.align_by_slot(ids, e2s, sh["S"], al)
     programs = M._PROGRAMS_PER_SM * M._num_sms(torch.cuda.current_device())
-    hb = M.gate_up(x, wts["w13"], wts.get("w13_scale"), sid, bsl, npad, sh["K"], cfg, cdt, programs, al)
+    srt = M.sorted_h_for(cfg.for_down())  # h's layout between the GEMMs, as fused_moe picks it
+    hb = M.gate_up(x, wts["w13"], wts.get("w13_scale"), sid, bsl, npad, sh["K"], cfg, cdt, programs, al, srt)
     ydt = M.y_dtype_for(x.dtype)  # as fused_moe: the output has x's dtype
-    yy = M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg.for_down(), programs, ydt, al)
+    yy = M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg.for_down(), programs, ydt, al, srt)
     out = torch.empty_like(x)
     return dict(
         align_us=t_us(lambda: M.align_by_slot(ids, e2s, sh["S"], al)),
         gate_up_us=t_us(lambda: M.gate_up(x, wts["w13"], wts.get("w13_scale"), sid, bsl, npad, sh["K"], cfg,
-                                          cdt, programs, al)),
+                                          cdt, programs, al, srt)),
         down_us=t_us(lambda: M.down(hb, wts["w2"], wts.get("w2_scale"), w, sid, bsl, npad, cfg.for_down(),
-                                    programs, ydt, al)),
+                                    programs, ydt, al, srt)),
         combine_us=t_us(lambda: M.combine(yy, slot32, out)),
         floor_us=t_us(lambda: fused_moe(x, none, w, e2s, **wts, config=cfg)))
 
@@ -592,20 +593,25 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
             for bm in TUNE_BM[t]:
                 slot32, sid, bsl, npad = M.align_by_slot(ids, e2s, sh["S"], bm)
                 hb = M.gate_up(x, wts["w13"], s13, sid, bsl, npad, sh["K"], MoEConfig(block_m=bm), cdt, programs)
+                # h in sorted order too, for the down candidates that fused_moe would run on it
+                hbs = M.gate_up(x, wts["w13"], s13, sid, bsl, npad, sh["K"], MoEConfig(block_m=bm), cdt, programs,
+                                sorted_h=True)
+
+                def down_of(cfg):
+                    srt = M.sorted_h_for(cfg)
+                    return M.down(hbs if srt else hb, wts["w2"], s2, w, sid, bsl, npad, cfg, programs,
+                                  M.y_dtype_for(x.dtype), sorted_h=srt)
                 gu_rows, gu = sweep(f"bm {bm} gate+up", lambda c: M.gate_up(
                     x, wts["w13"], s13, sid, bsl, npad, sh["K"], gu_config(MoEConfig, bm, c), cdt, programs),
                     SORTED_GU + (SORTED_GU_A8 if dtype == "int8" else []))
-                dn_rows, dn = sweep(f"bm {bm} down", lambda c: M.down(
-                    hb, wts["w2"], s2, w, sid, bsl, npad, MoEConfig(bm, *c), programs, M.y_dtype_for(x.dtype)),
-                    SORTED_DOWN)
+                dn_rows, dn = sweep(f"bm {bm} down", lambda c: down_of(MoEConfig(bm, *c)), SORTED_DOWN)
                 if gu and dn:
                     # the best tiles again with TMA weight tiles and a flattened tile loop
                     gf_rows, _ = sweep(f"bm {bm} gate+up tma/flatten", lambda f: M.gate_up(
                         x, wts["w13"], s13, sid, bsl, npad, sh["K"],
                         gu_config(MoEConfig, bm, gu["cand"], tma=f[0], flatten=f[1]), cdt, programs), FLAGS)
-                    df_rows, _ = sweep(f"bm {bm} down tma/flatten", lambda f: M.down(
-                        hb, wts["w2"], s2, w, sid, bsl, npad, MoEConfig(bm, *dn["cand"], tma=f[0], flatten=f[1]),
-                        programs, M.y_dtype_for(x.dtype)), FLAGS)
+                    df_rows, _ = sweep(f"bm {bm} down tma/flatten", lambda f: down_of(
+                        MoEConfig(bm, *dn["cand"], tma=f[0], flatten=f[1])), FLAGS)
                     tma, gflat, dflat, est = pick_flags(gf_rows, df_rows)
                     if est is None:  # the flag sweeps ran out of time: the plain tiles
                         tma, gflat, dflat, est = False, False, False, gu["us"] + dn["us"]

@@ -13,7 +13,8 @@ This probe times, per kernel, a copy of kt's loop with the A tiles loaded either
 - ``gather``: as kt (pointer loads through sorted_ids);
 - ``sorted``: TMA boxes of a slot-ordered copy of the activations ([P, H] rows, P padded rows);
 on qwen3-30b-a3b T=4096 (32 GPU slots) with the tuned table's tiles: the int8 a8 gate+up (both
-levels), the bf16 gate+up, the int8 and the bf16 down. Each pair must agree exactly on every row in
+levels), the bf16 gate+up, the int8 and the bf16 down. Then the whole ``fused_moe`` with kt's h
+kept by token-slot against h in sorted order (``moe._forced_sorted_h``) at several shapes and T. Each pair must agree exactly on every row in
 use (the same products in the same order). Also timed: kt's own kernels on the same inputs (the
 probe's ``gather`` copies should match them), and building the sorted copy with torch (an upper
 bound for a quantiser that writes slot order directly). CUDA-graph replay, L2 flushed, min / median
@@ -151,6 +152,51 @@ def _kernels():
     return gate_up, down
 
 
+WHOLE_CASES = [("qwen3-30b-a3b", t) for t in (7, 64, 512, 4096)] + [("mixtral-8x7b", t) for t in (64, 4096)]
+
+
+def whole_op(torch, M, do_bench, dev, dry, rounds, ceilings, checks):
+    """fused_moe with the table's config (the default), h kept by token-slot against h in sorted
+    order (what kt now does where the down's weights come by TMA), int8 and bf16 weights; outputs
+    must be identical. Rows: min / median us of each, and the fraction of the bf16 matmul rate."""
+    from kt.gpu_ops import fused_moe
+
+    rows = []
+    for label, t in ([("tiny", 40)] if dry else WHOLE_CASES):
+        sh = B.DRY_SHAPES["tiny"] if dry else B.SHAPES[label]
+        e2s = B.make_e2s(torch, sh, dev, 1)
+        x = torch.randn(t, sh["H"], device=dev, generator=torch.Generator(device=dev).manual_seed(3)).to(
+            torch.bfloat16)
+        ids, w = B.make_routing(torch, sh, t, e2s, dev, 9 + t)
+        slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
+        flops = 2 * int((slots >= 0).sum()) * 3 * sh["H"] * sh["I"]
+        for wname in ("int8", "bf16"):
+            wts, _ = B.make_weights(torch, sh, wname, dev, 2)
+            cfg = (M.MoEConfig(block_m=16, block_n=16, block_k=32, tma=True) if dry
+                   else M._default_config(t, sh["K"], sh["S"], sh["H"], sh["I"], wname, 0))
+            if not isinstance(cfg, M.MoEConfig):
+                continue  # the direct path keeps no h between GEMMs
+            outs, graphs = {}, {}
+            for on in (False, True):
+                with M._forced_sorted_h(on):
+                    outs[on] = fused_moe(x, ids, w, e2s, **wts, config=cfg)
+                    graphs[on] = (lambda cfg=cfg, wts=wts: fused_moe(x, ids, w, e2s, **wts, config=cfg)) if dry \
+                        else B.graph_of(torch, lambda cfg=cfg, wts=wts: fused_moe(x, ids, w, e2s, **wts,
+                                                                                  config=cfg))[0].replay
+            checks[f"whole_{label}_{wname}_T{t}_identical"] = bool(torch.equal(outs[False], outs[True]))
+            tm = B.interleaved_us(do_bench, {"by_token_slot": graphs[False], "sorted": graphs[True]}, rounds, dry)
+            r = dict(shape=label, T=t, weights=wname, config=cfg.to_dict(), default_sorted=M.sorted_h_for(cfg.for_down()),
+                     **{f"{k}_min_us": v[0] for k, v in tm.items()}, **{f"{k}_median_us": v[1] for k, v in tm.items()})
+            if ceilings:
+                for k in tm:
+                    r[f"{k}_bf16_peak_frac"] = flops / (r[f"{k}_min_us"] * 1e-6) / ceilings["bf16_flops_per_s"]
+            rows.append(r)
+            print(f"whole {label} {wname} T={t}: by token-slot {r['by_token_slot_min_us']:.1f}, sorted "
+                  f"{r['sorted_min_us']:.1f} us (default sorted: {r['default_sorted']})", flush=True)
+            del graphs
+    return rows
+
+
 def main(argv=None):
     a, do_bench, dev, ceilings = probe_setup(__doc__, argv)
     dry = a.dry_run
@@ -266,6 +312,8 @@ def main(argv=None):
     res["times_us"] = {name: dict(min_us=mn, median_us=md) for name, (mn, md) in times.items()}
     for name, (mn, md) in times.items():
         print(f"{name}: {mn:.1f} / {md:.1f} us", flush=True)
+    del graphs
+    res["whole"] = whole_op(torch, M, do_bench, dev, dry, a.rounds, ceilings, checks)
     if not dry:
         print(f"wrote {write_json(a.out, 'gpu_sorted_a_probe.json', res)}")
     return 0 if all(checks.values()) else 1

@@ -23,7 +23,7 @@ import torch
 from .configs import DirectConfig, MoEConfig, pick_config, table_for_device
 
 __all__ = ["fused_moe", "align_by_slot", "gate_up", "down", "combine", "direct_gate_up", "direct_down",
-           "act_quant2", "y_dtype_for", "kernels_interpreted"]
+           "act_quant2", "y_dtype_for", "sorted_h_for", "kernels_interpreted"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -48,6 +48,9 @@ _ACT_QUANT_ELEMS = 4096
 _ACT_QUANT_WARPS = 4
 _ACT_QUANT_ROW_MAX = 8192
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
+# h between the GEMMs in sorted order (row blocks read by TMA) when the down's weights come by TMA;
+# else by token-slot (gathered rows). None: by the config; tests force either (_forced_sorted_h).
+_SORTED_H = None
 
 
 def _kernels():
@@ -142,6 +145,18 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
                                        SP2=sp2, BLOCK_M=block_m, CHUNK=chunk, FILL=_FILL)
         kern.slot_scatter_kernel[(-(-n // blk),)](slot, cursor, sorted_ids, n, BLOCK=blk)
     return slot, sorted_ids, block_slot, num_padded
+
+
+@contextlib.contextmanager
+def _forced_sorted_h(on: bool):
+    """Within the block, fused_moe's sorted path keeps h in sorted order (True) or by token-slot
+    (False) whatever the config (tests and probes; not thread-safe)."""
+    global _SORTED_H
+    saved, _SORTED_H = _SORTED_H, on
+    try:
+        yield
+    finally:
+        _SORTED_H = saved
 
 
 @contextlib.contextmanager
@@ -278,11 +293,20 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     align = config.align_m
     slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s, align)
     programs = _INTERPRETER_PROGRAMS if interp else _PROGRAMS_PER_SM * _num_sms(_dev_index(x.device))
-    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align)
-    y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config.for_down(), programs,
-             y_dtype_for(out.dtype), align)
+    dcfg = config.for_down()
+    sh = sorted_h_for(dcfg)
+    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align, sh)
+    y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, dcfg, programs,
+             y_dtype_for(out.dtype), align, sh)
     combine(y, slot32, out)
     return out
+
+
+def sorted_h_for(down_config) -> bool:
+    """Whether fused_moe keeps h in sorted order for this down config (MoEConfig.for_down()): where
+    its weight tiles come by TMA, so that its h row blocks do too (H200, qwen3 T=4096: int8 down
+    98.4 -> 88.2 us, bf16 72.2 -> 71.2; benchmarks/gpu_sorted_a_probe.py)."""
+    return _SORTED_H if _SORTED_H is not None else bool(down_config.tma)
 
 
 def _dev_index(device) -> int:
@@ -332,6 +356,18 @@ def _weight_desc(w, config):
     return desc.from_tensor(w.view(-1, w.shape[2]), [config.block_n, config.block_k]), True
 
 
+def _act_desc(a, config):
+    """(TMA descriptor of the row-major activations a [P, C] with [block_m, block_k] boxes, True)
+    where the layout allows it (as _weight_desc), else (a, False)."""
+    desc = _tensor_descriptor()
+    esz = a.element_size()
+    if (desc is None or not a.is_contiguous() or a.data_ptr() % 16 or (a.shape[1] * esz) % 16
+            or max(config.block_m, config.block_k) > 256 or config.block_k * esz < 16
+            or not _tma_device(_dev_index(a.device) if a.device.type == "cuda" else -1)):
+        return a, False
+    return desc.from_tensor(a, [config.block_m, config.block_k]), True
+
+
 def _align_of(config, align_m):
     align_m = config.block_m if align_m is None else align_m
     if align_m % config.block_m:
@@ -340,9 +376,10 @@ def _align_of(config, align_m):
 
 
 def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config, compute_dtype, programs,
-            align_m=None):
+            align_m=None, sorted_h=False):
     """h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left unwritten).
-    align_m: the block size align_by_slot ran with (default config.block_m; a multiple of it)."""
+    align_m: the block size align_by_slot ran with (default config.block_m; a multiple of it).
+    sorted_h: h [P, I] in sorted_ids' order instead (padding rows unwritten), for ``down(sorted_h=True)``."""
     kern = _kernels()
     t = x.shape[0]
     n = t * top_k
@@ -356,7 +393,7 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
         xc = x.contiguous()
         xs = xc  # any tensor: not read without A8
         xc_strides = (xc.stride(0), xc.stride(1), 0)
-    hbuf = torch.empty((n, inter), dtype=compute_dtype, device=x.device)
+    hbuf = torch.empty((sorted_ids.numel() if sorted_h else n, inter), dtype=compute_dtype, device=x.device)
     s13 = w13_scale if int8w else w13  # any tensor: not read when INT8_W is off
     s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
     wd, tma = _weight_desc(w13, config)
@@ -368,7 +405,8 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
         *s13_strides, hbuf.stride(0), hbuf.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype],
-        UPCAST=kernels_interpreted(), A8=a8, num_warps=config.num_warps, num_stages=config.num_stages)
+        UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return hbuf
 
 
@@ -391,12 +429,14 @@ def act_quant2(x, elems: int = _ACT_QUANT_ELEMS, num_warps: int = _ACT_QUANT_WAR
 
 
 def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs,
-         y_dtype=torch.float32, align_m=None):
+         y_dtype=torch.float32, align_m=None, sorted_h=False):
     """y [N, H] (y_dtype: fp32, or bf16 to halve the combine's reads) = topk_weight * (w2 @ h),
     summed in fp32, per GPU token-slot (other rows left unwritten).
-    config: the down kernel's own (MoEConfig.for_down()); align_m as for gate_up."""
+    config: the down kernel's own (MoEConfig.for_down()); align_m as for gate_up; sorted_h: hbuf is
+    gate_up(sorted_h=True)'s [P, I] (its row blocks are read by TMA where the config's weights are)."""
     kern = _kernels()
-    n, inter = hbuf.shape
+    n = topk_weights.numel()
+    inter = hbuf.shape[1]
     h = w2.shape[1]
     int8w = w2.dtype == torch.int8
     rw = topk_weights.reshape(n).to(torch.float32).contiguous()
@@ -404,15 +444,17 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
     s2 = w2_scale if int8w else w2
     s2_strides = (s2.stride(0), s2.stride(1)) if int8w else (0, 0)
     wd, tma = _weight_desc(w2, config)
+    hd, tma_h = _act_desc(hbuf, config) if sorted_h and tma else (hbuf, False)
     align_m = _align_of(config, align_m)
     kern.down_kernel[_grid(block_slot, h, config, programs, align_m)](
-        hbuf, w2, wd, s2, y, rw, sorted_ids, block_slot, num_padded,
+        hbuf, hd, w2, wd, s2, y, rw, sorted_ids, block_slot, num_padded,
         n, h, inter,
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         *s2_strides, y.stride(0), y.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype],
-        UPCAST=kernels_interpreted(), num_warps=config.num_warps, num_stages=config.num_stages)
+        UPCAST=kernels_interpreted(), SORTED_H=sorted_h, TMA_H=tma_h, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return y
 
 

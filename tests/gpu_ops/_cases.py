@@ -243,3 +243,50 @@ def nan_row_case(device, a8, seed):
                     w13_scale=s13.to(device), w2_scale=s2.to(device), config=cfg).cpu()
     assert torch.isnan(out[2]).all(), out[2]
     assert torch.isfinite(out[[0, 1, 3, 4, 5]]).all()
+
+
+def sorted_h_case(device, t, e, k, h, i, e2s_list, dtype, seed, config):
+    """h between the GEMMs in sorted order (rows read as whole blocks, by TMA where the down's
+    weights are) against h by token-slot: the same sums in the same order, so y and fused_moe's
+    output are bit-identical; h's padding rows, set to NaN here, never reach a stored row."""
+    from kt.gpu_ops import fused_moe, moe
+    from kt.gpu_ops.configs import config_from_dict
+
+    cfg = config_from_dict(config)
+    gen = torch.Generator().manual_seed(seed)
+    e2s = torch.tensor(e2s_list, dtype=torch.int32)
+    s = int(e2s.max()) + 1
+    ids, w = routing(gen, t, e, k, 0.1)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    w13, w2 = weights(s, h, i, seed)
+    kw = {}
+    if dtype == "int8":
+        w13, s13, _ = quant_int8(w13)
+        w2, s2, _ = quant_int8(w2)
+        kw = dict(w13_scale=s13.to(device), w2_scale=s2.to(device))
+    else:
+        w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    x, ids, w, e2s, w13, w2 = (v.to(device) for v in (x, ids, w, e2s, w13, w2))
+    outs = {}
+    for on in (False, True):
+        with moe._forced_sorted_h(on):
+            outs[on] = fused_moe(x, ids, w, e2s, w13, w2, config=cfg, **kw)
+    assert torch.equal(outs[False], outs[True]), "fused_moe: sorted h differs from h by token-slot"
+    align = cfg.align_m
+    slot32, sid, bsl, npad = moe.align_by_slot(ids, e2s, s, align)
+    n = ids.numel()
+    progs = moe._INTERPRETER_PROGRAMS if device == "cpu" else 4 * moe._num_sms(0)
+    ys = {}
+    for on in (False, True):
+        hb = moe.gate_up(x, w13, kw.get("w13_scale"), sid, bsl, npad, k, cfg, torch.bfloat16, progs, align, on)
+        if on:
+            assert hb.shape[0] == sid.numel()
+            used = int(npad.cpu()[0])
+            pad = (sid[:used] >= n).nonzero().flatten()
+            hb[pad] = float("nan")
+            hb[used:] = float("nan")
+        ys[on] = moe.down(hb, w2, kw.get("w2_scale"), w, sid, bsl, npad, cfg.for_down(), progs, torch.bfloat16,
+                          align, on)
+    rows = (slot32 >= 0).nonzero().flatten()
+    assert torch.isfinite(ys[True][rows]).all(), "a padding row of h reached y"
+    assert torch.equal(ys[False][rows], ys[True][rows]), "down: sorted h differs from h by token-slot"

@@ -80,6 +80,18 @@ def test_sorted_path_own_row_blocks(run_case, cfg, t, k, h, i, dtype):
     run_case(_cases.fused_case, t, 8, k, h, i, E2S_A, dtype, 700 + t + k, 0.1, dict(group_m=2, **cfg))
 
 
+@pytest.mark.parametrize("cfg,t,k,h,i,dtype", [
+    # h in sorted order: by TMA (the down's weights by TMA), a partial last k block (I=40), a8, and
+    # the gate+up's own row blocks; by pointers (forced on a config without TMA)
+    (dict(block_m=16, block_n=32, block_k=32, tma=True), 9, 3, 96, 80, "bf16"),
+    (dict(block_m=16, block_n=16, block_k=32, tma=True, flatten=True), 17, 4, 64, 40, "int8"),
+    (dict(block_m=16, down_block_m=32, block_n=16, block_k=64, tma=True, a8=True), 21, 3, 128, 48, "int8"),
+    (dict(block_m=16, block_n=32, block_k=64), 13, 2, 64, 48, "bf16"),
+])
+def test_sorted_h_is_bit_identical(run_case, cfg, t, k, h, i, dtype):
+    run_case(_cases.sorted_h_case, t, 8, k, h, i, E2S_A, dtype, 800 + t + k, dict(group_m=2, **cfg))
+
+
 # (rows per program: 8 at H=64, 2 at H=1500 (37 rows: a partial last program), 1 at H=2500; H=9000
 # is read in three passes)
 @pytest.mark.parametrize("t,h,dtype", [(5, 64, "fp32"), (37, 1500, "fp32"), (6, 2500, "fp32"), (4, 96, "bf16"),
