@@ -194,6 +194,12 @@ def min_median_us(do_bench, fn, dry=False, rep=40):
     return ts[0], ts[len(ts) // 2]
 
 
+def ceilings_or_nan(res):
+    """The measured ceilings, or NaN ones when the run skipped them (--skip ceilings): fractions of
+    them then read NaN instead of stopping the run."""
+    return res.data.get("ceilings") or dict(hbm_bytes_per_s=float("nan"), bf16_flops_per_s=float("nan"))
+
+
 def interleaved_us(do_bench, fns, rounds, dry=False, rep=40):
     """{name: (min, median) us} of each fn in ``fns``, timed in ``rounds`` interleaved rounds (each
     round times every fn once, so a shared machine's drift falls on all of them): the minimum of
@@ -323,7 +329,7 @@ def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
                     best = min(good, key=lambda r: r["us"])
                     sp["best"] = best
                     sec = best["us"] * 1e-6
-                    c = res.data["ceilings"]
+                    c = ceilings_or_nan(res)
                     sp["hbm_fraction"] = weight_bytes / sec / c["hbm_bytes_per_s"]
                     sp["bf16_peak_fraction"] = flops / sec / c["bf16_flops_per_s"]
                     table.setdefault(shape_key(sh["H"], sh["I"], dtype), {})[str(t)] = best["config"]
@@ -639,7 +645,7 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
         for _ in range(3):
             for vn, g in graphs.items():
                 cmp[vn]["us"].append(do_bench(g.replay, warmup=5, rep=30, return_mode="median") * 1e3)
-        c = res.data["ceilings"]
+        c = ceilings_or_nan(res)
         for vn, r in cmp.items():
             if r["us"]:
                 r["min_us"], r["median_us"] = min(r["us"]), sorted(r["us"])[len(r["us"]) // 2]

@@ -91,3 +91,14 @@ def test_interleaved_rounds_take_the_least_minimum_and_the_median_median():
     got = bench_gpu.interleaved_us(do_bench, {"a": "a", "b": "b"}, 3)
     assert order == ["a", "b"] * 3  # every round times every fn once
     assert got["a"] == (2000.0, 7000.0) and got["b"] == (1000.0, 1000.0)
+
+
+def test_fractions_of_skipped_ceilings_read_nan():
+    """--skip ceilings: the parts that report fractions of the ceilings get NaN, not a KeyError."""
+    import math
+
+    res = bench_gpu.Results(None)
+    c = bench_gpu.ceilings_or_nan(res)
+    assert math.isnan(1.0 / c["hbm_bytes_per_s"]) and math.isnan(1.0 / c["bf16_flops_per_s"])
+    res.data["ceilings"] = dict(hbm_bytes_per_s=4e12, bf16_flops_per_s=7e14)
+    assert bench_gpu.ceilings_or_nan(res)["hbm_bytes_per_s"] == 4e12
