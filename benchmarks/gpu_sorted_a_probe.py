@@ -36,14 +36,24 @@ from gpu_a8_probe import probe_setup  # noqa: E402
 
 
 K = None  # kt.gpu_ops._kernels, imported by _kernels() (after the interpreter switch of a dry run)
+a_tile = None  # jitted in _kernels()
 
 
 def _kernels():
-    global K  # the jitted functions below find kt's helpers among the module's globals
+    global K, a_tile  # the jitted kernels below find their helpers among the module's globals
     import triton
     import triton.language as tl
 
     from kt.gpu_ops import _kernels as K
+
+    @triton.jit
+    def a_tile(a_desc, a_ptrs, row0, kb, offs_k, D, m_mask, BLOCK_K: tl.constexpr, SORTED_A: tl.constexpr):
+        """One activation tile: a TMA box of the slot-ordered copy, or the gathered rows."""
+        if SORTED_A:
+            a = a_desc.load([row0, kb * BLOCK_K])
+        else:
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k < D - kb * BLOCK_K)[None, :], other=0.0)
+        return a
 
     @triton.jit
     def gate_up(x_ptr, a_desc, w_desc, s13_ptr, h_ptr, sorted_ids_ptr, block_slot_ptr, num_padded_ptr, xs_ptr,
@@ -57,11 +67,8 @@ def _kernels():
         num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
         num_pid_n = tl.cdiv(I, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
-            pid_m, pid_n = K._tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
-            slot = tl.load(block_slot_ptr + pid_m // (ALIGN_M // BLOCK_M)).to(tl.int64)
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            tok_slot = tl.load(sorted_ids_ptr + offs_m)
-            m_mask = tok_slot < num_valid
+            pid_m, pid_n, slot, offs_m, tok_slot, m_mask = K._tile_rows(
+                tile, num_pid_m, num_pid_n, block_slot_ptr, sorted_ids_ptr, num_valid, BLOCK_M, ALIGN_M, GROUP_M)
             tok = tl.where(m_mask, tok_slot // top_k, 0).to(tl.int64)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < I
@@ -97,12 +104,7 @@ def _kernels():
                 acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for kb in range(0, tl.cdiv(H, BLOCK_K)):
-                    if SORTED_A:
-                        a = a_desc.load([row0, kb * BLOCK_K])
-                    else:
-                        k_mask = offs_k < H - kb * BLOCK_K
-                        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                    a = K._cast(a, 2, UPCAST)
+                    a = K._cast(a_tile(a_desc, a_ptrs, row0, kb, offs_k, H, m_mask, BLOCK_K, SORTED_A), 2, UPCAST)
                     acc_g = tl.dot(a, tl.trans(K._cast(w_desc.load([g_row, kb * BLOCK_K]), 2, UPCAST)), acc_g)
                     acc_u = tl.dot(a, tl.trans(K._cast(w_desc.load([g_row + I, kb * BLOCK_K]), 2, UPCAST)), acc_u)
                     a_ptrs += BLOCK_K
@@ -121,11 +123,8 @@ def _kernels():
         num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
         num_pid_n = tl.cdiv(H, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
-            pid_m, pid_n = K._tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
-            slot = tl.load(block_slot_ptr + pid_m // (ALIGN_M // BLOCK_M)).to(tl.int64)
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            tok_slot = tl.load(sorted_ids_ptr + offs_m)
-            m_mask = tok_slot < num_valid
+            pid_m, pid_n, slot, offs_m, tok_slot, m_mask = K._tile_rows(
+                tile, num_pid_m, num_pid_n, block_slot_ptr, sorted_ids_ptr, num_valid, BLOCK_M, ALIGN_M, GROUP_M)
             row = tl.where(m_mask, tok_slot, 0).to(tl.int64)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < H
@@ -135,11 +134,7 @@ def _kernels():
             a_ptrs = h_ptr + row[:, None] * stride_hm + offs_k[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kb in range(0, tl.cdiv(I, BLOCK_K)):
-                if SORTED_A:
-                    a = a_desc.load([row0, kb * BLOCK_K])
-                else:
-                    k_mask = offs_k < I - kb * BLOCK_K
-                    a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                a = a_tile(a_desc, a_ptrs, row0, kb, offs_k, I, m_mask, BLOCK_K, SORTED_A)
                 acc = tl.dot(K._cast(a, 2, UPCAST), tl.trans(K._cast(w_desc.load([w_row, kb * BLOCK_K]), 2, UPCAST)),
                              acc)
                 a_ptrs += BLOCK_K

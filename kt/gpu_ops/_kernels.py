@@ -83,6 +83,18 @@ def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, w_desc, g_row, I, row_mask, col_mask, H
 
 
 @triton.jit
+def _tile_rows(tile, num_pid_m, num_pid_n, block_slot_ptr, sorted_ids_ptr, num_valid, BLOCK_M: tl.constexpr,
+               ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """The sorted-path tile ``tile``: (pid_m, pid_n, its slot (int64), its sorted positions offs_m,
+    their token-slots, and which of those are real rows (not padding))."""
+    pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
+    slot = tl.load(block_slot_ptr + pid_m // (ALIGN_M // BLOCK_M)).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok_slot = tl.load(sorted_ids_ptr + offs_m)
+    return pid_m, pid_n, slot, offs_m, tok_slot, tok_slot < num_valid
+
+
+@triton.jit
 def _gate_up_acc_a8(a_ptrs, stride_xl, g_ptrs, u_ptrs, w_desc, g_row, I, row_mask, col_mask, H, stride_xh,
                     stride_wh, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     TMA_W: tl.constexpr):
@@ -235,11 +247,8 @@ def gate_up_kernel(
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(I, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
-        slot = tl.load(block_slot_ptr + pid_m // (ALIGN_M // BLOCK_M)).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok_slot = tl.load(sorted_ids_ptr + offs_m)
-        m_mask = tok_slot < num_valid
+        pid_m, pid_n, slot, offs_m, tok_slot, m_mask = _tile_rows(
+            tile, num_pid_m, num_pid_n, block_slot_ptr, sorted_ids_ptr, num_valid, BLOCK_M, ALIGN_M, GROUP_M)
         tok = tl.where(m_mask, tok_slot // top_k, 0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < I
@@ -295,11 +304,8 @@ def down_kernel(
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(H, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
-        slot = tl.load(block_slot_ptr + pid_m // (ALIGN_M // BLOCK_M)).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok_slot = tl.load(sorted_ids_ptr + offs_m)
-        m_mask = tok_slot < num_valid
+        pid_m, pid_n, slot, offs_m, tok_slot, m_mask = _tile_rows(
+            tile, num_pid_m, num_pid_n, block_slot_ptr, sorted_ids_ptr, num_valid, BLOCK_M, ALIGN_M, GROUP_M)
         row = tl.where(m_mask, tok_slot, 0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
