@@ -342,30 +342,33 @@ def _tma_device(index: int) -> bool:
     return index < 0 or torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def _tma_desc(t, box):
+    """A TMA descriptor of the row-major 2-D tensor t with boxes ``box`` [rows, cols], or None
+    where TMA cannot take it: not contiguous, base or rows not 16-byte aligned, a box side over 256
+    or narrower than 16 bytes, or a GPU before Hopper (the interpreter takes any)."""
+    desc = _tensor_descriptor()
+    esz = t.element_size()
+    if (desc is None or not t.is_contiguous() or t.data_ptr() % 16 or (t.shape[1] * esz) % 16
+            or max(box) > 256 or box[1] * esz < 16
+            or not _tma_device(_dev_index(t.device) if t.device.type == "cuda" else -1)):
+        return None
+    return desc.from_tensor(t, list(box))
+
+
 def _weight_desc(w, config):
     """(TMA descriptor of w [S, R, C] seen as [S*R, C] with [block_n, block_k] boxes, True) where
-    config.tma asks for it and the weights allow it (contiguous, 16-byte aligned base and rows,
-    boxes of at most 256 x 256 and at least 16 bytes wide, a Hopper or later GPU or the
-    interpreter); else (w, False): the kernels then load weight tiles through pointers."""
-    desc = _tensor_descriptor() if config.tma else None
-    esz = w.element_size()
-    if (desc is None or not w.is_contiguous() or w.data_ptr() % 16 or (w.shape[2] * esz) % 16
-            or max(config.block_n, config.block_k) > 256 or config.block_k * esz < 16
-            or not _tma_device(_dev_index(w.device) if w.device.type == "cuda" else -1)):
-        return w, False
-    return desc.from_tensor(w.view(-1, w.shape[2]), [config.block_n, config.block_k]), True
+    config.tma asks for it and ``_tma_desc`` allows it; else (w, False): the kernels then load
+    weight tiles through pointers."""
+    ok = config.tma and w.is_contiguous()  # (a view of other layouts may not exist)
+    d = _tma_desc(w.view(-1, w.shape[2]), (config.block_n, config.block_k)) if ok else None
+    return (w, False) if d is None else (d, True)
 
 
 def _act_desc(a, config):
-    """(TMA descriptor of the row-major activations a [P, C] with [block_m, block_k] boxes, True)
-    where the layout allows it (as _weight_desc), else (a, False)."""
-    desc = _tensor_descriptor()
-    esz = a.element_size()
-    if (desc is None or not a.is_contiguous() or a.data_ptr() % 16 or (a.shape[1] * esz) % 16
-            or max(config.block_m, config.block_k) > 256 or config.block_k * esz < 16
-            or not _tma_device(_dev_index(a.device) if a.device.type == "cuda" else -1)):
-        return a, False
-    return desc.from_tensor(a, [config.block_m, config.block_k]), True
+    """(TMA descriptor of the activation rows a [P, C] with [block_m, block_k] boxes, True) where
+    ``_tma_desc`` allows it, else (a, False)."""
+    d = _tma_desc(a, (config.block_m, config.block_k))
+    return (a, False) if d is None else (d, True)
 
 
 def _align_of(config, align_m):

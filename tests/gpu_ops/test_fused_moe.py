@@ -123,6 +123,9 @@ def test_tma_only_where_the_weights_allow():
     assert not moe._weight_desc(torch.zeros(2, 64, 64, dtype=torch.bfloat16), MoEConfig())[1]
     assert not moe._weight_desc(torch.zeros(2, 64, 70, dtype=torch.bfloat16), on)[1]  # 140-byte rows
     assert not moe._weight_desc(torch.zeros(2, 64, 128)[:, :, :64], on)[1]  # not contiguous
+    assert not moe._weight_desc(torch.zeros(2, 64, 64).transpose(1, 2), on)[1]  # no [S*R, C] view
+    assert moe._act_desc(torch.zeros(48, 64, dtype=torch.bfloat16), on)[1]
+    assert not moe._act_desc(torch.zeros(48, 70, dtype=torch.bfloat16), on)[1]  # 140-byte rows
     wide = MoEConfig(block_m=16, block_n=512, block_k=32, tma=True)
     assert not moe._weight_desc(torch.zeros(2, 64, 64), wide)[1]  # box over 256
     assert MoEConfig(tma=True, flatten=True, down_flatten=False).for_down().flatten is False
