@@ -215,8 +215,9 @@ class HybridMoE:
     max_deferred_experts_per_token / chain / is_last_layer: deferral (see module doc).
     gpu_prefill_token_threshold: None (off), an int, or "auto".
     graph_max_tokens: eager CUDA calls with at most this many tokens are replayed from CUDA graphs
-      the layer captures itself (``kt._decode_graphs``; bit-identical, several times less host
-      time); 0 = always eager. Not used with deferral or inside the caller's own capture.
+      the layer captures itself (``kt._decode_graphs``; bit-identical; on the H200 machine a T=1
+      call's host time fell from 0.46-0.53 to 0.23 ms at 25 % on the GPU); 0 = always eager. Not
+      used with deferral or inside the caller's own capture.
     """
 
     def __init__(self, cpu_moe, gpu_slot=None, *, device=None, gpu_dtype: str = "bf16",
