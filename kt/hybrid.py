@@ -216,7 +216,7 @@ class HybridMoE:
     gpu_prefill_token_threshold: None (off), an int, or "auto".
     graph_max_tokens: eager CUDA calls with at most this many tokens are replayed from CUDA graphs
       the layer captures itself (``kt._decode_graphs``; bit-identical; on the H200 machine a T=1
-      call's host time fell from 0.46-0.53 to 0.23 ms at 25 % on the GPU); 0 = always eager. Not
+      call's host time fell from 0.46-0.48 to 0.21-0.23 ms at 25 % on the GPU); 0 = always eager. Not
       used with deferral or inside the caller's own capture.
     """
 
