@@ -142,14 +142,16 @@ def _align_layout(torch, out, n, bm):
     return slot.tolist(), used, {k: tuple(sorted(v)) for k, v in per_slot.items()}
 
 
-def probe_setup(doc, argv):
-    """The probe's start: parse --out / --rounds / --dry-run, switch the interpreter on
-    for a dry run (before triton is first imported), measure the ceilings on a GPU. Returns (args,
-    do_bench or None, device, ceilings or None)."""
+def probe_setup(doc, argv, extra=()):
+    """The probe's start: parse --out / --rounds / --dry-run (and ``extra``: (flag, add_argument
+    keywords) pairs), switch the interpreter on for a dry run (before triton is first imported),
+    measure the ceilings on a GPU. Returns (args, do_bench or None, device, ceilings or None)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes under the Triton interpreter, no timings")
+    for flag, kw in extra:
+        ap.add_argument(flag, **kw)
     a = ap.parse_args(argv)
     if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"

@@ -192,12 +192,65 @@ def whole_op(torch, M, do_bench, dev, dry, rounds, ceilings, checks):
     return rows
 
 
+# int8 down tiles at qwen3 T=4096 now that h comes by TMA too (the gathered loads' address registers
+# had made the 256-wide tile spill): (down_block_n, down_block_k, down_num_warps, down_num_stages,
+# down_flatten) laid over the table's config
+DOWN_VARIANTS = {"table": None, "n256_w8_s3_flat": (256, 64, 8, 3, True), "n256_w8_s3": (256, 64, 8, 3, False),
+                 "n128_w8_s3_flat": (128, 64, 8, 3, True), "n128_w8_s3": (128, 64, 8, 3, False),
+                 "n128_k128_w8_s3": (128, 128, 8, 3, False)}
+
+
+def down_variants(torch, M, do_bench, dev, dry, rounds, ceilings, checks):
+    """fused_moe at qwen3 int8 T=4096 (tiny under the interpreter) with the table's config and with
+    other down tiles (DOWN_VARIANTS), h in slot order; outputs must equal the table config's."""
+    from dataclasses import replace
+
+    from kt.gpu_ops import fused_moe
+
+    sh = B.DRY_SHAPES["tiny"] if dry else B.SHAPES["qwen3-30b-a3b"]
+    t = 40 if dry else 4096
+    e2s = B.make_e2s(torch, sh, dev, 1)
+    x = torch.randn(t, sh["H"], device=dev, generator=torch.Generator(device=dev).manual_seed(3)).to(torch.bfloat16)
+    ids, w = B.make_routing(torch, sh, t, e2s, dev, 9 + t)
+    slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
+    flops = 2 * int((slots >= 0).sum()) * 3 * sh["H"] * sh["I"]
+    wts, _ = B.make_weights(torch, sh, "int8", dev, 2)
+    base = (M.MoEConfig(block_m=16, block_n=16, block_k=64, a8=True, tma=True) if dry
+            else M._default_config(t, sh["K"], sh["S"], sh["H"], sh["I"], "int8", 0))
+    graphs, ref, rows = {}, None, []
+    for name, v in DOWN_VARIANTS.items():
+        cfg = base if v is None else replace(base, down_block_n=v[0] if not dry else 32, down_block_k=v[1],
+                                             down_num_warps=v[2], down_num_stages=v[3], down_flatten=v[4])
+        out = fused_moe(x, ids, w, e2s, **wts, config=cfg)
+        ref = out if ref is None else ref
+        checks[f"down_{name}_identical"] = bool(torch.equal(out, ref))
+        graphs[name] = (lambda cfg=cfg: fused_moe(x, ids, w, e2s, **wts, config=cfg)) if dry else \
+            B.graph_of(torch, lambda cfg=cfg: fused_moe(x, ids, w, e2s, **wts, config=cfg))[0].replay
+    for name, (mn, md) in B.interleaved_us(do_bench, graphs, rounds, dry).items():
+        r = dict(variant=name, min_us=mn, median_us=md)
+        if ceilings:
+            r["bf16_peak_frac"] = flops / (mn * 1e-6) / ceilings["bf16_flops_per_s"]
+        rows.append(r)
+        print(f"int8 T={t} down {name}: {mn:.1f} / {md:.1f} us", flush=True)
+    return rows
+
+
 def main(argv=None):
-    a, do_bench, dev, ceilings = probe_setup(__doc__, argv)
+    a, do_bench, dev, ceilings = probe_setup(__doc__, argv, extra=[
+        ("--only-down-variants", dict(action="store_true", help="time only the int8 down tiles (DOWN_VARIANTS)"))])
     dry = a.dry_run
     import torch
 
     from kt.gpu_ops import moe as M
+
+    if a.only_down_variants:
+        checks = {}
+        res = dict(ceilings=ceilings, checks=checks,
+                   down_variants=down_variants(torch, M, do_bench, dev, dry, a.rounds, ceilings, checks))
+        print("checks:", checks, flush=True)
+        if not dry:
+            print(f"wrote {write_json(a.out, 'gpu_sorted_a_probe_down.json', res)}")
+        return 0 if all(checks.values()) else 1
 
     gate_up_k, down_k = _kernels()
     TD = M._tensor_descriptor()
