@@ -118,6 +118,16 @@ def make_e2s(torch, sh, dev, seed):
     return e2s.to(dev)
 
 
+def op_inputs(torch, sh, t, dev, x_seed, route_seed):
+    """One whole-op case of shape sh at T=t: (e2s, x [T, H] bf16, ids, w, GPU GEMM flops), the
+    slot map seeded 1 as the probes use it, x and the routing from the given seeds."""
+    e2s = make_e2s(torch, sh, dev, 1)
+    x = torch.randn(t, sh["H"], device=dev, generator=torch.Generator(device=dev).manual_seed(x_seed))
+    ids, w = make_routing(torch, sh, t, e2s, dev, route_seed)
+    slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
+    return e2s, x.to(torch.bfloat16), ids, w, 2 * int((slots >= 0).sum()) * 3 * sh["H"] * sh["I"]
+
+
 def ref_gpu(torch, x, ids, w, e2s, w13f, w2f):
     """The spec in fp32 on the GPU (TF32 off): sum over GPU experts of w * w2 @ (silu(gate x) * up x)."""
     t, h = x.shape

@@ -244,11 +244,7 @@ def main(argv=None):
     # the whole int8 op with each variant's best quantiser at qwen3 T=4096 (the dry run: tiny, T=33)
     sh = B.DRY_SHAPES["tiny"] if dry else B.SHAPES["qwen3-30b-a3b"]
     t = 33 if dry else 4096
-    e2s = B.make_e2s(torch, sh, dev, 1)
-    x = torch.randn(t, sh["H"], device=dev, generator=torch.Generator(device=dev).manual_seed(7)).to(torch.bfloat16)
-    ids, w = B.make_routing(torch, sh, t, e2s, dev, 4 + t)
-    slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
-    flops = 2 * int((slots >= 0).sum()) * 3 * sh["H"] * sh["I"]
+    e2s, x, ids, w, flops = B.op_inputs(torch, sh, t, dev, 7, 4 + t)
     last = next(c for c in res["x_cases"][::-1] if c["H"] == sh["H"]) if not dry else res["x_cases"][-1]
     chosen = {n: tuple(int(p) if p.isdigit() else p for p in kk.split("/")) for n, kk in last["best"].items()}
     # (row name, weights, quantiser, alignment): each quantiser with the shipped alignment, and the

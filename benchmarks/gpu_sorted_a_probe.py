@@ -159,12 +159,7 @@ def whole_op(torch, M, do_bench, dev, dry, rounds, ceilings, checks):
     rows = []
     for label, t in ([("tiny", 40)] if dry else WHOLE_CASES):
         sh = B.DRY_SHAPES["tiny"] if dry else B.SHAPES[label]
-        e2s = B.make_e2s(torch, sh, dev, 1)
-        x = torch.randn(t, sh["H"], device=dev, generator=torch.Generator(device=dev).manual_seed(3)).to(
-            torch.bfloat16)
-        ids, w = B.make_routing(torch, sh, t, e2s, dev, 9 + t)
-        slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
-        flops = 2 * int((slots >= 0).sum()) * 3 * sh["H"] * sh["I"]
+        e2s, x, ids, w, flops = B.op_inputs(torch, sh, t, dev, 3, 9 + t)
         for wname in ("int8", "bf16"):
             wts, _ = B.make_weights(torch, sh, wname, dev, 2)
             cfg = (M.MoEConfig(block_m=16, block_n=16, block_k=32, tma=True) if dry
@@ -209,11 +204,7 @@ def down_variants(torch, M, do_bench, dev, dry, rounds, ceilings, checks):
 
     sh = B.DRY_SHAPES["tiny"] if dry else B.SHAPES["qwen3-30b-a3b"]
     t = 40 if dry else 4096
-    e2s = B.make_e2s(torch, sh, dev, 1)
-    x = torch.randn(t, sh["H"], device=dev, generator=torch.Generator(device=dev).manual_seed(3)).to(torch.bfloat16)
-    ids, w = B.make_routing(torch, sh, t, e2s, dev, 9 + t)
-    slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
-    flops = 2 * int((slots >= 0).sum()) * 3 * sh["H"] * sh["I"]
+    e2s, x, ids, w, flops = B.op_inputs(torch, sh, t, dev, 3, 9 + t)
     wts, _ = B.make_weights(torch, sh, "int8", dev, 2)
     base = (M.MoEConfig(block_m=16, block_n=16, block_k=64, a8=True, tma=True) if dry
             else M._default_config(t, sh["K"], sh["S"], sh["H"], sh["I"], "int8", 0))
@@ -257,9 +248,7 @@ def main(argv=None):
     sh = B.DRY_SHAPES["tiny"] if dry else B.SHAPES["qwen3-30b-a3b"]
     t = 40 if dry else 4096
     H, I, k, s = sh["H"], sh["I"], sh["K"], sh["S"]
-    e2s = B.make_e2s(torch, sh, dev, 1)
-    x = torch.randn(t, H, device=dev, generator=torch.Generator(device=dev).manual_seed(7)).to(torch.bfloat16)
-    ids, w = B.make_routing(torch, sh, t, e2s, dev, 4 + t)
+    e2s, x, ids, w, _ = B.op_inputs(torch, sh, t, dev, 7, 4 + t)
     n = ids.numel()
     res = dict(shape=sh, T=t, ceilings=ceilings, kernels={}, checks={})
     runs, checks = {}, {}
