@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _stream_bridge as sb
+
 __all__ = ["DecodeGraphs"]
 
 
@@ -96,8 +98,6 @@ class DecodeGraphs:
         """The layer's output for this call: ``forward(x, ids, w)`` eagerly the first time a shape
         is seen, then replayed from its graph. state_fn() -> the objects the captured forward
         reads (a change drops every graph)."""
-        from . import _stream_bridge as sb
-
         self._purge()
         self._set_state(state_fn())
         st = torch.cuda.current_stream(x.device)
@@ -110,7 +110,7 @@ class DecodeGraphs:
                 self._set_state(state_fn())  # it may have sized the bridge's buffers
                 self._seen.add(key)
                 return out
-            e = self._capture(forward, x, topk_ids, topk_weights, st, sb)
+            e = self._capture(forward, x, topk_ids, topk_weights, st)
             if e is None:
                 return forward(x, topk_ids, topk_weights)
             self._entries[key] = e
@@ -124,7 +124,7 @@ class DecodeGraphs:
         self.replays += 1
         return e.out.clone()
 
-    def _capture(self, forward, x, topk_ids, topk_weights, st, sb) -> _Entry | None:
+    def _capture(self, forward, x, topk_ids, topk_weights, st) -> _Entry | None:
         """Capture ``forward`` on static copies of the inputs (on a side stream; nothing runs), or
         give up for good (None, a warning) if the capture fails: the eager path stays correct."""
         dev = x.device

@@ -148,29 +148,29 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
 
 
 @contextlib.contextmanager
+def _overriding(**values):
+    """Within the block, the module's switches ``values`` (names of its globals) have these values
+    (tests and probes; not thread-safe)."""
+    g = globals()
+    saved = {k: g[k] for k in values}
+    g.update(values)
+    try:
+        yield
+    finally:
+        g.update(saved)
+
+
 def _forced_sorted_h(on: bool):
-    """Within the block, fused_moe's sorted path keeps h in sorted order (True) or by token-slot
-    (False) whatever the config (tests and probes; not thread-safe)."""
-    global _SORTED_H
-    saved, _SORTED_H = _SORTED_H, on
-    try:
-        yield
-    finally:
-        _SORTED_H = saved
+    """fused_moe's sorted path keeps h in sorted order (True) or by token-slot (False) whatever the
+    config, within the block."""
+    return _overriding(_SORTED_H=on)
 
 
-@contextlib.contextmanager
 def _forced_align(path: str):
-    """Within the block, align_by_slot takes the given path ("one_program", "two_launch" or "atomics")
-    whatever N and S are (tests and probes; not thread-safe)."""
-    global _ALIGN_ONE_PROGRAM_MAX_N, _ALIGN_TWO_LAUNCH_MAX_SLOTS
-    saved = _ALIGN_ONE_PROGRAM_MAX_N, _ALIGN_TWO_LAUNCH_MAX_SLOTS
-    _ALIGN_ONE_PROGRAM_MAX_N, _ALIGN_TWO_LAUNCH_MAX_SLOTS = {
-        "one_program": (1 << 62, 0), "two_launch": (-1, 1 << 62), "atomics": (-1, -1)}[path]
-    try:
-        yield
-    finally:
-        _ALIGN_ONE_PROGRAM_MAX_N, _ALIGN_TWO_LAUNCH_MAX_SLOTS = saved
+    """align_by_slot takes the given path ("one_program", "two_launch" or "atomics") whatever N and S
+    are, within the block."""
+    one, two = {"one_program": (1 << 62, 0), "two_launch": (-1, 1 << 62), "atomics": (-1, -1)}[path]
+    return _overriding(_ALIGN_ONE_PROGRAM_MAX_N=one, _ALIGN_TWO_LAUNCH_MAX_SLOTS=two)
 
 
 def _check(x, topk_ids, topk_weights, expert_to_slot, w13, w2, w13_scale, w2_scale):
