@@ -410,14 +410,21 @@ def stage_times(torch, do_bench, x, ids, w, e2s, wts, sh, cfg):
 
 # ----------------------------------------------------------------------------- tune: stages apart
 
-# Direct path: gate+up (block_n, block_k, num_warps, num_stages), down (down_block_n, down_block_k,
-# down_num_warps). Sorted path, per block_m: gate+up and down each (block_n, block_k, group_m,
-# num_warps, num_stages).
+# Direct path: gate+up (kernel, block_n, block_k, num_warps, num_stages), down (down_block_n,
+# down_block_k, down_num_warps, down_num_stages). Sorted path, per block_m: gate+up and down each
+# (block_n, block_k, group_m, num_warps, num_stages). The direct GEMV loops run unpipelined at
+# stages 1 (until session 15 the pairs' num_stages did nothing: Triton pipelines a loop without
+# tl.dot only through tl.range's num_stages); the later entries keep 2-5 k steps in flight.
 DIRECT_GU = [("scan", 32, 256, 4, 3), ("scan", 32, 128, 4, 4), ("scan", 64, 128, 4, 3),
-             ("pairs", 4, 512, 4, 1), ("pairs", 8, 512, 4, 1), ("pairs", 8, 256, 4, 3), ("pairs", 4, 1024, 4, 1),
-             ("pairs", 2, 1024, 2, 1), ("pairs", 16, 256, 4, 3), ("pairs", 8, 1024, 8, 1), ("pairs", 4, 2048, 8, 1)]
-DIRECT_DOWN = [(16, 1024, 4), (8, 1024, 4), (4, 1024, 2), (8, 512, 2), (2, 1024, 2), (4, 512, 4), (4, 1024, 4),
-               (16, 2048, 8)]
+             ("pairs", 4, 512, 4, 1), ("pairs", 8, 512, 4, 1), ("pairs", 4, 1024, 4, 1),
+             ("pairs", 2, 1024, 2, 1), ("pairs", 8, 1024, 8, 1), ("pairs", 4, 2048, 8, 1),
+             ("pairs", 4, 512, 4, 3), ("pairs", 4, 256, 4, 4), ("pairs", 8, 256, 4, 4), ("pairs", 4, 1024, 4, 3),
+             ("pairs", 2, 512, 2, 4), ("pairs", 8, 512, 8, 3), ("pairs", 16, 256, 8, 4), ("pairs", 2, 1024, 4, 3),
+             ("pairs", 1, 1024, 2, 4), ("pairs", 2, 1024, 4, 4)]
+DIRECT_DOWN = [(16, 1024, 4, 1), (8, 1024, 4, 1), (4, 1024, 2, 1), (8, 512, 2, 1), (2, 1024, 2, 1), (4, 512, 4, 1),
+               (4, 1024, 4, 1), (16, 2048, 8, 1),
+               (2, 1024, 2, 3), (2, 512, 2, 4), (4, 512, 4, 4), (4, 1024, 4, 3), (8, 512, 4, 4), (8, 256, 4, 6),
+               (16, 512, 8, 3), (2, 256, 2, 6), (4, 256, 2, 5), (1, 1024, 2, 4), (2, 2048, 4, 4)]
 # the last entries (block_k 256): more weight bytes in flight per program, for the memory-bound
 # small-block_m cases (an int8 tile of a given shape is half a bf16 tile's bytes)
 SORTED_GU = [(64, 64, 8, 4, 4), (64, 64, 8, 8, 4), (128, 64, 8, 8, 3), (128, 64, 8, 8, 4), (64, 128, 8, 4, 3),
@@ -590,14 +597,17 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
                                                       num_warps=c[3], num_stages=c[4]), cdt), DIRECT_GU)
             dn_rows, dn = sweep("down", lambda c: M.direct_down(
                 hb, wts["w2"], s2, w, ids, e32, out, replace(base, down_block_n=c[0], down_block_k=c[1],
-                                                             down_num_warps=c[2])), DIRECT_DOWN)
+                                                             down_num_warps=c[2], down_num_stages=c[3])),
+                DIRECT_DOWN)
             entry.update(gate_up_sweep=gu_rows, down_sweep=dn_rows)
             if not (gu and dn):
                 res.data.setdefault("tune", []).append(entry)
                 continue
+            extra = {}
             tuned = DirectConfig(gate_up=gu["cand"][0], block_n=gu["cand"][1], block_k=gu["cand"][2],
                                  num_warps=gu["cand"][3], num_stages=gu["cand"][4], down_block_n=dn["cand"][0],
-                                 down_block_k=dn["cand"][1], down_num_warps=dn["cand"][2])
+                                 down_block_k=dn["cand"][1], down_num_warps=dn["cand"][2],
+                                 down_num_stages=dn["cand"][3])
         elif t not in TUNE_BM:  # a sorted-path T without a block_m sweep (e.g. qwen3 T=7 since
             # the direct path stops at T*K = 8): nothing to tune here
             log(f"  sorted path at T={t}: no block_m sweep listed (TUNE_BM); skipped")

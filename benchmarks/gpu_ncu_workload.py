@@ -15,7 +15,7 @@ device tool's KINDS.md; leave the clocks alone):
 (Every dtype is called once to warm up, then once more: with the default two dtypes, --launch-skip 4
 skips the warm-up's four GEMM launches and the next four are int8's and bf16's gate+up and down; with
 ``--dtypes int8`` it is --launch-skip 2 --launch-count 2, since a skip of 4 leaves nothing to profile.
-Stall reasons: ``--metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'``.
+Stall reasons: ``--metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio'``.
 Session 14's runs: results/ncu_s14_run1_qwen3_T4096.csv, ncu_s14_run3_int8_stalls.csv.)
 
     python3 benchmarks/gpu_ncu_workload.py --dry-run       (the interpreter, tiny shape: runs only)

@@ -596,14 +596,16 @@ def gate_up_pairs_kernel(
     stride_we, stride_wn, stride_wh,
     stride_se, stride_sn,
     stride_hm, stride_hi,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """h[n, cols] = silu(gate_s x_t) * (up_s x_t) for token-slot n = program_id(0) (if on the GPU) and
     BLOCK_N columns picked by program_id(1), as a GEMV: any BLOCK_N (no tensor-core minimum), so a
     decode step has enough programs in flight to pull HBM bandwidth. Token-slots sharing a slot read
     its rows again (from L2: their programs run side by side). Products in fp32 of the values the
-    compute dtype gives (exact for bf16/int8)."""
+    compute dtype gives (exact for bf16/int8). STAGES > 1 pipelines the k loop (cp.async into
+    shared memory, STAGES - 1 steps of weights in flight ahead of the sums): Triton pipelines a
+    loop without tl.dot only when asked."""
     n = tl.program_id(0).to(tl.int64)
     e = tl.load(ids_ptr + n).to(tl.int32)
     e_ok = (e >= 0) & (e < E)
@@ -616,19 +618,21 @@ def gate_up_pairs_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         g_ptrs = w13_ptr + s64 * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wh
         u_ptrs = g_ptrs + I * stride_wn
-        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(H, BLOCK_K)):
+        # elementwise fp32 sums, reduced over k once after the loop: a reduction per step would put
+        # shuffles and a block barrier (BLOCK_K spans warps) between every step's loads and the next
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for kb in tl.range(0, tl.cdiv(H, BLOCK_K), num_stages=STAGES):
             k_mask = offs_k < H - kb * BLOCK_K
             xv = tl.load(x_ptr + t * stride_xt + (kb * BLOCK_K + offs_k) * stride_xh, mask=k_mask, other=0.0)
             xv = _cast(xv, CT, UPCAST).to(tl.float32)
             g = tl.load(g_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc_g += tl.sum(_cast(g, CT, UPCAST).to(tl.float32) * xv[None, :], 1)
-            acc_u += tl.sum(_cast(u, CT, UPCAST).to(tl.float32) * xv[None, :], 1)
+            acc_g += _cast(g, CT, UPCAST).to(tl.float32) * xv[None, :]
+            acc_u += _cast(u, CT, UPCAST).to(tl.float32) * xv[None, :]
             g_ptrs += BLOCK_K * stride_wh
             u_ptrs += BLOCK_K * stride_wh
-        h = _silu_up(acc_g, acc_u, s13_ptr, s64, offs_n, n_mask, I, stride_se, stride_sn, INT8_W)
+        h = _silu_up(tl.sum(acc_g, 1), tl.sum(acc_u, 1), s13_ptr, s64, offs_n, n_mask, I, stride_se, stride_sn, INT8_W)
         tl.store(h_ptr + n * stride_hm + offs_n * stride_hi, h.to(h_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -640,8 +644,8 @@ def down_tokens_kernel(
     stride_we, stride_wn, stride_wi,
     stride_se, stride_sn,
     stride_ot, stride_oh,
-    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INT8_W: tl.constexpr,
+    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    INT8_W: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[t, cols] = sum over k (in order) with a GPU slot s of topk_w[t, k] * (w2_s @ h[t*K + k])[cols]
     for t = program_id(0), cols = BLOCK_N columns picked by program_id(1); fp32 sums, out in its dtype
@@ -649,7 +653,8 @@ def down_tokens_kernel(
     up front (KP = next power of two >= K) and the k loop is unrolled and predicated, so the weight
     loads of all K experts go out together instead of behind K chains of dependent id/slot loads.
     h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only). Products are formed in fp32 from the exact h
-    and weight values (bf16 x bf16 products are exact in fp32)."""
+    and weight values (bf16 x bf16 products are exact in fp32). STAGES pipelines the k loop as in
+    gate_up_pairs_kernel."""
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -669,15 +674,18 @@ def down_tokens_kernel(
         s64 = tl.sum(tl.where(sel & on_v, sv, 0), 0).to(tl.int64)
         rw = tl.sum(tl.where(sel, rwv, 0.0), 0)
         on_n = n_mask & ((offs_n * 0 + on) > 0)  # block-shaped (see combine_kernel)
-        on_k = (offs_k * 0 + on) > 0
-        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(I, BLOCK_K)):
-            k_mask = (offs_k < I - kb * BLOCK_K) & on_k
+        part2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # summed over k after the loop (as pairs)
+        # no trip for a token-slot off the GPU: masked-off steps still cost (mixtral int8 T=1: 42 -> 26 us)
+        for kb in tl.range(0, tl.cdiv(I, BLOCK_K) * on, num_stages=STAGES):
+            k_mask = offs_k < I - kb * BLOCK_K
             hv = tl.load(h_ptr + n * stride_hm + (kb * BLOCK_K + offs_k) * stride_hi, mask=k_mask, other=0.0)
             wv = tl.load(w2_ptr + s64 * stride_we + offs_n[:, None] * stride_wn
                          + (kb * BLOCK_K + offs_k)[None, :] * stride_wi,
-                         mask=on_n[:, None] & k_mask[None, :], other=0.0)
-            part += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], 1)
+                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if INT8_W and not UPCAST:  # int8 -> bf16: exact, byte permutes; int8 -> fp32: I2F, quarter rate
+                wv = wv.to(tl.bfloat16)
+            part2 += wv.to(tl.float32) * hv.to(tl.float32)[None, :]
+        part = tl.sum(part2, 1)
         if INT8_W:
             part = part * tl.load(s2_ptr + s64 * stride_se + offs_n * stride_sn, mask=on_n, other=0.0)
         acc += tl.where(on_n, part * rw, 0.0)

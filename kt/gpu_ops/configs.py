@@ -133,8 +133,10 @@ class DirectConfig:
 
     gate+up: gate_up "scan" (one program per (slot, block_n columns of gate and of up), the slot's
     rows as one tensor-core tile; block_n >= 16) or "pairs" (one GEMV program per (token-slot,
-    block_n columns)); block_k reduction depth per step, num_warps / num_stages. down: one program
-    per (token, down_block_n columns of H), reading down_block_k of I per step, down_num_warps.
+    block_n columns)); block_k reduction depth per step, num_warps / num_stages (for "pairs": how
+    many k steps the pipelined loop keeps in flight, 1 = none). down: one program per (token,
+    down_block_n columns of H), reading down_block_k of I per step, down_num_warps, down_num_stages
+    (as the pairs' num_stages).
     """
 
     gate_up: str = "scan"
@@ -145,6 +147,7 @@ class DirectConfig:
     down_block_n: int = 16
     down_block_k: int = 1024
     down_num_warps: int = 4
+    down_num_stages: int = 1
 
     def __post_init__(self):
         if self.gate_up not in ("scan", "pairs"):
@@ -153,7 +156,7 @@ class DirectConfig:
         _check_pow2("DirectConfig", self, ("block_n",), 16 if self.gate_up == "scan" else 1)
         _check_pow2("DirectConfig", self, ("down_block_n",), 1)
         _check_launch("DirectConfig", self.num_warps, self.num_stages)
-        _check_launch("DirectConfig", self.down_num_warps, 1, "down_num_warps")
+        _check_launch("DirectConfig", self.down_num_warps, self.down_num_stages, "down_num_warps", "down_num_stages")
 
     @classmethod
     def from_dict(cls, d: dict) -> "DirectConfig":
@@ -212,11 +215,13 @@ def _heuristic(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: 
 
 
 def _direct_heuristic(hidden: int, inter: int) -> DirectConfig:
-    # Memory bound: narrow GEMV column blocks for many programs in flight; down reads a whole I row
-    # per step when I is short (one load per expert, all K experts' loads issued together). The
-    # H200 sweep's winners at T=1 (bench_gpu --tune) shaped these.
-    return DirectConfig(gate_up="pairs", block_n=4, block_k=1024, num_warps=4, num_stages=1, down_block_n=2,
-                        down_block_k=min(1024, max(16, 1 << (max(inter, 1) - 1).bit_length())), down_num_warps=2)
+    # Memory bound: narrow GEMV column blocks for many programs in flight, k loops pipelined (three
+    # steps in flight: on the H200 at mixtral T=1 gate+up 59 -> 49 us int8, 73 -> 68 bf16; down
+    # 37 -> 31 int8); down reads a whole I row per step when I is short (one load per expert). The
+    # H200 sweep's winners at T=1 (bench_gpu --tune, session 15) shaped these.
+    down_k = min(1024, max(16, 1 << (max(inter, 1) - 1).bit_length()))
+    return DirectConfig(gate_up="pairs", block_n=4, block_k=1024, num_warps=4, num_stages=3, down_block_n=2,
+                        down_block_k=down_k, down_num_warps=2, down_num_stages=3)
 
 
 def pick_config(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: int,

@@ -505,7 +505,7 @@ def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype):
             e2s.numel(), s, hid, inter, top_k,
             xc.stride(0), xc.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
             *s13_strides, hbuf.stride(0), hbuf.stride(1),
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
             INT8_W=int8w, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
             num_warps=config.num_warps, num_stages=config.num_stages)
         return hbuf
@@ -535,6 +535,6 @@ def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
         e2s.numel(), s, hid, inter,
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         *s2_strides, out.stride(0), out.stride(1),
-        TOP_K=top_k, KP=_np2k(top_k), BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, INT8_W=int8w,
-        num_warps=config.down_num_warps)
+        TOP_K=top_k, KP=_np2k(top_k), BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
+        STAGES=config.down_num_stages, INT8_W=int8w, UPCAST=kernels_interpreted(), num_warps=config.down_num_warps)
     return out

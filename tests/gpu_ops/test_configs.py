@@ -86,6 +86,7 @@ def test_config_validation(bad, match):
     (dict(down_block_k=8), "down_block_k"),
     (dict(num_stages=0), "num_stages"),
     (dict(down_num_warps=32), "down_num_warps"),
+    (dict(down_num_stages=0), "down_num_stages"),
 ])
 def test_direct_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -155,6 +155,11 @@ def test_sorted_path_at_decode_sizes(run_case, t, k, h, i, e2s, dtype):
     (dict(gate_up="pairs", block_n=4, block_k=32), 7, 3, 80, 48, "fp32"),
     (dict(gate_up="pairs", block_n=1, block_k=128, down_block_n=2), 2, 4, 64, 32, "int8"),
     (dict(gate_up="pairs", block_n=16, block_k=16), 3, 8, 64, 96, "bf16"),
+    # pipelined k loops (cp.async stages on a GPU): more steps than stages, fewer, and a masked tail
+    (dict(gate_up="pairs", block_n=4, block_k=16, num_stages=4, down_block_n=2, down_block_k=16,
+          down_num_stages=3), 2, 4, 80, 48, "int8"),
+    (dict(gate_up="pairs", block_n=8, block_k=64, num_stages=3, down_block_n=4, down_block_k=32,
+          down_num_stages=5), 1, 8, 64, 80, "bf16"),
 ])
 def test_direct_path_configs(run_case, cfg, t, k, h, i, dtype):
     run_case(_cases.fused_case, t, 8, k, h, i, E2S_A, dtype, 400 + t + k, 0.1, dict(path="direct", **cfg))
