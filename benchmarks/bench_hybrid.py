@@ -465,6 +465,7 @@ def main():
     ap.add_argument("--overlap-T", default="1,8,64,512,4096", help="T values of the overlap section")
     ap.add_argument("--sections", default="correctness,graph,concurrency,prefill,overlap")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(0), "threads": args.threads, "shape": dict(E=E, K=K, H=H, I=I),
            "scheme": "int8", "errors": {}}
