@@ -425,12 +425,15 @@ DIRECT_DOWN = [(16, 1024, 4, 1), (8, 1024, 4, 1), (4, 1024, 2, 1), (8, 512, 2, 1
                (4, 1024, 4, 1), (16, 2048, 8, 1),
                (2, 1024, 2, 3), (2, 512, 2, 4), (4, 512, 4, 4), (4, 1024, 4, 3), (8, 512, 4, 4), (8, 256, 4, 6),
                (16, 512, 8, 3), (2, 256, 2, 6), (4, 256, 2, 5), (1, 1024, 2, 4), (2, 2048, 4, 4)]
-# the last entries (block_k 256): more weight bytes in flight per program, for the memory-bound
-# small-block_m cases (an int8 tile of a given shape is half a bf16 tile's bytes)
+# the block_k 256 entries: more weight bytes in flight per program, for the memory-bound
+# small-block_m cases (an int8 tile of a given shape is half a bf16 tile's bytes); the narrow, deep-
+# pipelined down tiles (session 15): more programs, all of a decode-sized slot's k steps in flight
 SORTED_GU = [(64, 64, 8, 4, 4), (64, 64, 8, 8, 4), (128, 64, 8, 8, 3), (128, 64, 8, 8, 4), (64, 128, 8, 4, 3),
-             (64, 128, 8, 8, 3), (128, 32, 8, 8, 4), (32, 64, 8, 4, 4), (64, 256, 8, 4, 3), (32, 256, 8, 4, 4)]
+             (64, 128, 8, 8, 3), (128, 32, 8, 8, 4), (32, 64, 8, 4, 4), (64, 256, 8, 4, 3), (32, 256, 8, 4, 4),
+             (32, 128, 8, 4, 6), (64, 128, 8, 4, 5)]
 SORTED_DOWN = [(128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (64, 128, 8, 4, 4),
-               (256, 128, 8, 8, 2), (128, 32, 8, 4, 5), (64, 64, 8, 4, 4), (128, 256, 8, 4, 3), (64, 256, 8, 4, 3)]
+               (256, 128, 8, 8, 2), (128, 32, 8, 4, 5), (64, 64, 8, 4, 4), (128, 256, 8, 4, 3), (64, 256, 8, 4, 3),
+               (32, 256, 8, 4, 3), (64, 128, 8, 4, 6), (32, 128, 8, 4, 6), (128, 128, 8, 4, 6)]
 # int8 weights only: the same gate+up tiles with two-level int8 activations on the int8 tensor cores
 # (MoEConfig.a8; block_k >= 64: one wgmma step takes 32 int8 k); the sixth field is a8
 SORTED_GU_A8 = [(64, 64, 8, 8, 4, True), (64, 128, 8, 8, 3, True), (128, 64, 8, 8, 3, True),
