@@ -198,7 +198,7 @@ def _amx_variants(scheme):
 
         @njit(nogil=True)
         def k8(xb, data, out, nb0, nb1):
-            KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 0, 2,
+            KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 0, 1,
                               False)
 
         # the M chunks before session 9: 512 KiB of A (128 rows at D=2048, so an expert of 129+
@@ -206,16 +206,16 @@ def _amx_variants(scheme):
         @njit(nogil=True)
         def k128(xb, data, out, nb0, nb1):
             KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, max((1 << 19) // (2 * xb.shape[1]) // 32 * 32,
-                                                           32), 0, 2, True)
+                                                           32), 0, 1, True)
 
-        def dist(d):  # the L2 prefetch d block pairs ahead (the kernels use 2)
+        def dist(d):  # the L2 prefetch d block pairs ahead (the BF16 kernel uses 1 since session 15)
             @njit(nogil=True)
             def kd(xb, data, out, nb0, nb1):
                 KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 0, d,
                                   True)
             return kd
 
-        return {"blocked": k, "no_pfw": k8, "mc512k": k128, "l2d1": dist(1), "l2d3": dist(3),
+        return {"blocked": k, "no_pfw": k8, "mc512k": k128, "l2d2": dist(2), "l2d3": dist(3),
                 "l2d4": dist(4)}
     else:
         # INT4: the per-group flush kernel that gemm_int4 used for every matrix before the

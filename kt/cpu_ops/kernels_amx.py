@@ -841,8 +841,10 @@ def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
 @njit(nogil=True, cache=True)
 def gemm_bf16(xb, data, out, nb0, nb1):
     """Large-M BF16 (same contract as ``gemv_bf16``): the pipelined kernel with L2 prefetch
-    (device run 2, qwen3 layer, 16 threads: 24 % faster than blocked at T=512, 21 % at 2048)."""
-    gemm_bf16_pipe(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 0, 2, True)
+    (device run 2, qwen3 layer, 16 threads: 24 % faster than blocked at T=512, 21 % at 2048), one
+    block pair ahead (INT8 keeps two): at T=2048 one ahead was 3-5 % faster on three leases of
+    four (sessions 14 and 15; none in session 10), at T=512 4.6 % faster once and tied once."""
+    gemm_bf16_pipe(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 0, 1, True)
 
 
 # ----------------------------------------------------------------------------- roofline
