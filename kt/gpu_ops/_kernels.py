@@ -632,7 +632,8 @@ def gate_up_pairs_kernel(
             acc_u += _cast(u, CT, UPCAST).to(tl.float32) * xv[None, :]
             g_ptrs += BLOCK_K * stride_wh
             u_ptrs += BLOCK_K * stride_wh
-        h = _silu_up(tl.sum(acc_g, 1), tl.sum(acc_u, 1), s13_ptr, s64, offs_n, n_mask, I, stride_se, stride_sn, INT8_W)
+        h = _silu_up(tl.sum(acc_g, 1), tl.sum(acc_u, 1), s13_ptr, s64, offs_n, n_mask, I, stride_se, stride_sn,
+                     INT8_W)
         tl.store(h_ptr + n * stride_hm + offs_n * stride_hi, h.to(h_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -650,8 +651,9 @@ def down_tokens_kernel(
     """out[t, cols] = sum over k (in order) with a GPU slot s of topk_w[t, k] * (w2_s @ h[t*K + k])[cols]
     for t = program_id(0), cols = BLOCK_N columns picked by program_id(1); fp32 sums, out in its dtype
     (zeros for a token with no GPU expert). The token's K ids, slots and weights are read as vectors
-    up front (KP = next power of two >= K) and the k loop is unrolled and predicated, so the weight
-    loads of all K experts go out together instead of behind K chains of dependent id/slot loads.
+    up front (KP = next power of two >= K), so that no expert's weights wait behind K chains of
+    dependent id/slot loads; the k loop is unrolled, and an expert off the GPU takes no trip
+    through its reduction loop.
     h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only). Products are formed in fp32 from the exact h
     and weight values (bf16 x bf16 products are exact in fp32). STAGES pipelines the k loop as in
     gate_up_pairs_kernel."""
