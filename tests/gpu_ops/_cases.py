@@ -223,6 +223,39 @@ def combine_case(device, t, k, h, block_h, ydtype, seed):
     assert_close(want.numpy(), out.cpu().double().numpy(), rtol=1e-6, atol=1e-6, what="combine")
 
 
+def direct_down_case(device, t, k, h, i, int8w, config, seed):
+    """moe.direct_down against a float64 sum: h rows of token-slots off the GPU (which fused_moe
+    leaves unwritten) are NaN here and must not reach the output, a token with no GPU expert gets
+    zeros, int8 weights' row scales applied; fp32 sums of exact products: within 1e-5 relative."""
+    from kt.gpu_ops import DirectConfig, moe
+
+    gen = torch.Generator().manual_seed(seed)
+    e, s = 8, 3
+    e2s = torch.tensor([0, -1, 1, -1, 2, -1, -1, -1], dtype=torch.int32)
+    ids, w = routing(gen, t, e, k, 0.1)
+    ids[0] = torch.tensor([1, 3, 5, 6][:k])  # token 0: no GPU expert
+    slot = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1).reshape(-1)
+    hb = torch.randn(t * k, i, generator=gen).to(torch.bfloat16)
+    hb[slot < 0] = float("nan")
+    w2 = torch.randn(s, h, i, generator=gen) / i ** 0.5
+    if int8w:
+        w2, s2, _ = quant_int8(w2)
+        w2f = w2.double() * s2.double()[..., None]
+    else:
+        w2, s2 = w2.to(torch.bfloat16), None
+        w2f = w2.double()
+    out = torch.full((t, h), float("nan"), dtype=torch.float32)
+    cfg = DirectConfig(gate_up="pairs", **config)
+    out = moe.direct_down(hb.to(device), w2.to(device), None if s2 is None else s2.to(device), w.to(device),
+                          ids.to(device), e2s.to(device), out.to(device), cfg).cpu()
+    want = torch.zeros(t, h, dtype=torch.float64)
+    for n in range(t * k):
+        if slot[n] >= 0:
+            want[n // k] += w.reshape(-1)[n].double() * (w2f[slot[n]] @ hb[n].double())
+    assert torch.isfinite(out).all()
+    assert_close(want.numpy(), out.double().numpy(), rtol=1e-5, atol=1e-5, what="direct_down")
+
+
 def nan_row_case(device, a8, seed):
     """A NaN in one token's activations makes that token's output row NaN (every element, since every
     element sums over all of the token's activations), and no other row: with int8 weights, through

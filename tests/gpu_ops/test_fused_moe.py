@@ -237,6 +237,17 @@ def test_combine(run_case, t, k, h, block_h, ydtype):
     run_case(_cases.combine_case, t, k, h, block_h, ydtype, t + k + h)
 
 
+@pytest.mark.parametrize("t,k,h,i,int8w,config", [
+    # down_block_k < I (several steps, pipelined or not), a masked tail of I, narrow and odd-tailed
+    # column blocks, top-k 2 and 4
+    (3, 2, 48, 80, True, dict(down_block_n=4, down_block_k=32, down_num_stages=3)),
+    (4, 4, 40, 64, False, dict(down_block_n=16, down_block_k=16, down_num_stages=1)),
+    (2, 4, 64, 48, True, dict(down_block_n=2, down_block_k=64, down_num_stages=5)),
+])
+def test_direct_down_skips_off_gpu_rows(run_case, t, k, h, i, int8w, config):
+    run_case(_cases.direct_down_case, t, k, h, i, int8w, config, 50 + t + k)
+
+
 @pytest.mark.parametrize("a8", [True, False], ids=["a8", "bf16-activations"])
 def test_nan_in_a_token_makes_its_row_nan(run_case, a8):
     run_case(_cases.nan_row_case, a8, 11)
