@@ -368,13 +368,13 @@ def section_concurrency(cpu, dev, res, seconds=5.0):
     import threading
 
     res["concurrency"] = {}
+    q13 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w13.expert(e))) for e in range(E)]
+    q2 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w2.expert(e))) for e in range(E)]
     for t in (16, 4):
         layer = HybridMoE(cpu, placement_row(0.25, E, 20), device=dev, gpu_dtype="int8")
         gen = torch.Generator().manual_seed(7)
         x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16)
         ids, w = routing(t, E, K, gen, "cpu")
-        q13 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w13.expert(e))) for e in range(E)]
-        q2 = [ref.QuantizedWeight(cpu.scheme, *_unpacked(cpu.w2.expert(e))) for e in range(E)]
         exp = ref.moe_forward_quantized(x.float(), ids, w, q13, q2)
         xd, idd, wd = x.to(dev), ids.to(dev), w.to(dev)
         stop = threading.Event()

@@ -24,7 +24,6 @@ bit-identical to it.
 """
 from __future__ import annotations
 
-import gc
 import warnings
 from dataclasses import dataclass
 
@@ -136,13 +135,9 @@ class DecodeGraphs:
         if side is None:
             side = self._side[idx] = torch.cuda.Stream(dev)
         graph = torch.cuda.CUDAGraph()
-        jobs: list = []
-        prev_log = getattr(sb._capture, "log", None)
-        gc_on = gc.isenabled()
-        gc.disable()  # see GraphRunner.capture: a collection mid-capture can invalidate it
-        sb._capture.log = jobs
         try:
-            with torch.cuda.stream(side):
+            # no collection first (this runs inside a model's forward); none during the capture
+            with sb.logging_jobs([], collect=False) as jobs, torch.cuda.stream(side):
                 # thread_local: other threads of the program may use CUDA meanwhile
                 graph.capture_begin(pool=self._pools[st.cuda_stream], capture_error_mode="thread_local")
                 try:
@@ -154,9 +149,5 @@ class DecodeGraphs:
             warnings.warn(f"kt: capturing a decode-sized hybrid MoE forward failed ({self.disabled}); "
                           "this layer runs eagerly from now on", RuntimeWarning, stacklevel=4)
             return None
-        finally:
-            sb._capture.log = prev_log
-            if gc_on:
-                gc.enable()
         self.captures += 1
         return _Entry(graph, xs, ids_s, ws, out, jobs, st)

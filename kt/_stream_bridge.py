@@ -17,6 +17,7 @@ replays the graph.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import queue
 import threading
@@ -163,6 +164,29 @@ service = _Service()
 _capture = threading.local()
 
 
+@contextlib.contextmanager
+def logging_jobs(log: list, collect: bool = True):
+    """While a CUDA graph captures in this thread: the stream-ordered CPU jobs its hybrid layers
+    start go to ``log`` (to be handed to the service thread at each replay) instead of running,
+    and Python's cyclic garbage collector is held off (run first if ``collect``). Collecting an
+    object that owns pinned host memory (an old layer's buffers) makes torch record a CUDA event on
+    the stream that last used that memory, and an event recorded on the legacy default stream while
+    another stream captures invalidates the capture (seen as ``cudaErrorStreamCaptureInvalidated``
+    in 2 of ~30 captures)."""
+    if collect:
+        gc.collect()
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    prev = getattr(_capture, "log", None)
+    _capture.log = log
+    try:
+        yield log
+    finally:
+        _capture.log = prev
+        if gc_was_on:
+            gc.enable()
+
+
 class StreamBridge:
     """Stream-ordered CPU calls of one layer; channels "now" and "deferred" run independently."""
 
@@ -235,39 +259,12 @@ class GraphRunner:
         self.pool = pool
         self.log: list[_Job] = []
 
+    @contextlib.contextmanager
     def capture(self, stream=None):
-        """Capture context. Python's cyclic garbage collector is run before and held off during
-        the capture: collecting an object that owns pinned host memory (an old layer's buffers)
-        makes torch record a CUDA event on the stream that last used that memory, and an event
-        recorded on the legacy default stream while another stream captures invalidates the
-        capture (seen as ``cudaErrorStreamCaptureInvalidated`` in 2 of ~30 captures)."""
-        runner = self
-
-        class _Ctx:
-            def __enter__(self_inner):
-                gc.collect()
-                self_inner.gc_was_on = gc.isenabled()
-                gc.disable()
-                _capture.log = runner.log
-                self_inner.g = torch.cuda.graph(runner.graph, pool=runner.pool, stream=stream)
-                try:
-                    return self_inner.g.__enter__()
-                except BaseException:
-                    self_inner.restore()
-                    raise
-
-            def restore(self_inner):
-                _capture.log = None
-                if self_inner.gc_was_on:
-                    gc.enable()
-
-            def __exit__(self_inner, *exc):
-                try:
-                    return self_inner.g.__exit__(*exc)
-                finally:
-                    self_inner.restore()
-
-        return _Ctx()
+        """Capture context: the step's CPU jobs are logged for replay and the garbage collector is
+        run first and held off meanwhile (``logging_jobs``)."""
+        with logging_jobs(self.log), torch.cuda.graph(self.graph, pool=self.pool, stream=stream) as g:
+            yield g
 
     def replay(self) -> None:
         service.raise_pending()

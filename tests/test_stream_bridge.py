@@ -273,3 +273,57 @@ def test_gated_result_survives_the_next_job(cpu):
     cpu(x2, ids2, w2)  # a plain call on the same pool: begins (and finishes) the next job first
     res = h.wait()
     assert res.opened and res.finished and res.bad_ids == 1 and res.error is None and res.seconds > 0
+
+
+def test_logging_jobs_routes_jobs_and_restores_the_collector():
+    # GraphRunner.capture and a layer's own decode graphs both capture through this context: while
+    # it is open, started jobs go to its log and the cyclic collector is off; both come back after
+    # it, also when the capture raises, and an enclosing log is restored.
+    import gc
+
+    from kt import _stream_bridge as sb
+
+    assert gc.isenabled() and getattr(sb._capture, "log", None) is None
+    outer, inner = [], []
+    with sb.logging_jobs(outer, collect=False) as got:
+        assert got is outer and sb._capture.log is outer and not gc.isenabled()
+        with pytest.raises(RuntimeError, match="capture failed"):
+            with sb.logging_jobs(inner):
+                assert sb._capture.log is inner
+                raise RuntimeError("capture failed")
+        assert sb._capture.log is outer and not gc.isenabled()
+    assert getattr(sb._capture, "log", None) is None and gc.isenabled()
+
+
+def test_graph_runner_capture_logs_inside_the_graph_context(monkeypatch):
+    # GraphRunner.capture = logging_jobs around torch.cuda.graph (faked here: no GPU needed): the log
+    # is in place before the graph context opens and until after it closes, also on an error.
+    import gc
+
+    from kt import _stream_bridge as sb
+
+    seen = []
+
+    class FakeGraph:
+        def __init__(self, graph, pool=None, stream=None):
+            seen.append(("init", graph, pool, stream))
+
+        def __enter__(self):
+            seen.append(("enter", sb._capture.log, gc.isenabled()))
+            return "ctx"
+
+        def __exit__(self, *exc):
+            seen.append(("exit", sb._capture.log, exc[0]))
+            return False
+
+    monkeypatch.setattr(torch.cuda, "graph", FakeGraph)
+    runner = sb.GraphRunner.__new__(sb.GraphRunner)
+    runner.graph, runner.pool, runner.log = "G", "P", []
+    with runner.capture(stream="S") as got:
+        assert got == "ctx" and sb._capture.log is runner.log
+    with pytest.raises(ValueError):
+        with runner.capture():
+            raise ValueError("in the step")
+    assert seen[0] == ("init", "G", "P", "S") and seen[1] == ("enter", runner.log, False)
+    assert seen[2] == ("exit", runner.log, None) and seen[-1] == ("exit", runner.log, ValueError)
+    assert getattr(sb._capture, "log", None) is None and gc.isenabled()
