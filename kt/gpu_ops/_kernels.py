@@ -378,21 +378,15 @@ def combine_kernel(
 # not depend on the other rows of its tile.
 
 @triton.jit
-def _slot_map(ids_ptr, e2s_ptr, offs, N, E, S):
-    """expert_to_slot[ids[n]] for the token-slots offs (-1 for an id of -1 or outside [0, E), a slot
-    outside [0, S), or n >= N)."""
+def _slots_of(ids_ptr, e2s_ptr, slot_ptr, offs, N, E, S):
+    """slot[n] = expert_to_slot[ids[n]] for the token-slots offs (-1 for an id of -1 or outside
+    [0, E), or a slot outside [0, S)), stored and returned."""
     m = offs < N
     e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
     ok = m & (e >= 0) & (e < E)
     s = tl.load(e2s_ptr + tl.where(ok, e, 0), mask=ok, other=-1).to(tl.int32)
-    return tl.where((s >= 0) & (s < S), s, -1)
-
-
-@triton.jit
-def _slots_of(ids_ptr, e2s_ptr, slot_ptr, offs, N, E, S):
-    """slot[n] = _slot_map(...) for the token-slots offs, stored and returned."""
-    s = _slot_map(ids_ptr, e2s_ptr, offs, N, E, S)
-    tl.store(slot_ptr + offs, s, mask=offs < N)
+    s = tl.where((s >= 0) & (s < S), s, -1)
+    tl.store(slot_ptr + offs, s, mask=m)
     return s
 
 
@@ -546,47 +540,6 @@ def align_small_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, cursor_ptr, block
     tl.debug_barrier()
     for n0 in range(0, N, BLOCK):
         _scatter_chunk(slot_ptr, cursor_ptr, sorted_ids_ptr, n0 + tl.arange(0, BLOCK), N, BLOCK)
-
-
-@triton.jit
-def align_onehot_kernel(ids_ptr, e2s_ptr, slot_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr,
-                        N, E, S, P, NSUB: tl.constexpr, SUB: tl.constexpr, SP2: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BCHUNK: tl.constexpr):
-    """The whole alignment in one program with no atomics and no barriers (decode-sized N <= NSUB *
-    SUB): counts and ranks are one-hot sums over [SUB, SP2] tiles in registers, as in
-    slot_hist_kernel / slot_place_kernel with one chunk per sub-chunk. The same layout as the
-    two-launch path: slots one after another, each slot's token-slots in token order, padded with
-    the sentinel N to a multiple of BLOCK_M; block_slot for all P // BLOCK_M blocks; rows from
-    num_padded[0] on are not written. The second pass maps the ids again rather than reading back
-    slot (another thread's store would need a barrier); both passes are unrolled so that their
-    loads go out together."""
-    lanes = tl.arange(0, SP2)
-    total = tl.zeros((SP2,), tl.int32)
-    for j in tl.static_range(NSUB):
-        s = _slots_of(ids_ptr, e2s_ptr, slot_ptr, j * SUB + tl.arange(0, SUB), N, E, S)
-        total += tl.sum((s[:, None] == lanes[None, :]).to(tl.int32), 0)
-    padded = (total + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)
-    start = end - padded
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
-    base = start
-    for j in tl.static_range(NSUB):
-        offs = j * SUB + tl.arange(0, SUB)
-        s = _slot_map(ids_ptr, e2s_ptr, offs, N, E, S)
-        hot = (s[:, None] == lanes[None, :]).to(tl.int32)
-        rank = tl.sum(hot * (tl.cumsum(hot, 0) - 1 + base[None, :]), 1)
-        tl.store(sorted_ids_ptr + tl.where(s >= 0, rank, 0), offs, mask=s >= 0)
-        base += tl.sum(hot, 0)
-    nb = P // BLOCK_M
-    block_end = tl.where(lanes < S, end // BLOCK_M, 2147483647)
-    for b0 in range(0, nb, BCHUNK):
-        b = b0 + tl.arange(0, BCHUNK)
-        slot_of_b = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
-        tl.store(block_slot_ptr + b, tl.minimum(slot_of_b, S - 1), mask=b < nb)
-    # every slot's padding rows in one [SP2, BLOCK_M] store
-    pad = (start + total)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(sorted_ids_ptr + pad, tl.full((SP2, BLOCK_M), 0, tl.int32) + N,
-             mask=(lanes < S)[:, None] & (pad < end[:, None]))
 
 
 # ----------------------------------------------------------------------------- direct path (decode)

@@ -36,12 +36,6 @@ _kernels_mod = None
 # 11.6; N=1024: 14.4 / 16.7 / 18.2; N=8192: 69 / 15.6 / 18.8; N=32768 S=32: - / 15.8 / 22.1; S=64:
 # - / 19.7 / 25.6; S=128: - / 45.8 / 39.5.
 _ALIGN_ONE_PROGRAM_MAX_N = 1024
-# Before those: one program without atomics (align_onehot_kernel) while N fits this many sub-chunks of
-# one-hot tiles (4096 elements each: 128 token-slots at 32 slots) and each slot's padding rows fit
-# one [SP2, block_m] store of at most _ALIGN_ONEHOT_MAX_PAD elements.
-_ALIGN_ONEHOT_MAX_SUB = 8
-_ALIGN_ONEHOT_MAX_PAD = 16384
-_ALIGN_ONEHOT_WARPS = 4
 _ALIGN_TWO_LAUNCH_MAX_SLOTS = 64
 _FILL = 1024  # sorted_ids entries the one-program offsets step sets to the sentinel per store
 _PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer if there are fewer tiles)
@@ -106,12 +100,10 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     sorted_ids holds the token-slots of each slot together, each slot's group padded to a multiple of
     block_m with the sentinel N; P = N + S*(block_m - 1) rounded up to block_m is the worst case, and
     rows from num_padded[0] on are unused (not read by the GEMMs; their values are not defined).
-    Four paths, by measured speed (H200, gpu_a8_probe.py, gpu_align_probe.py): decode-sized N (up to
-    8 one-hot tiles, e.g. N <= 1024 at 32 slots) one program without atomics; else one program with
-    atomics for N <= 1024; up to 64 slots two launches without atomics; beyond, four launches with
-    atomics. Without atomics the rows inside each slot are in token order; with them in no fixed
-    order. The order changes no result: a row's dot products do not depend on the other rows of its
-    tile.
+    Three paths, by measured speed (H200, gpu_a8_probe.py): one program for N <= 1024 (one launch);
+    up to 64 slots two launches without atomics, rows in token order inside each slot; beyond, four
+    launches with atomics (rows in no fixed order inside a slot). The order changes no result: a
+    row's dot products do not depend on the other rows of its tile.
     """
     kern = _kernels()
     n = topk_ids.numel()
@@ -126,13 +118,7 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     block_slot = torch.empty(p // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     chunk = 64 if sp2 <= 256 else 16  # block_slot entries per step of the one-program offsets
-    sub = max(16, min(256, 4096 // sp2))  # token-slots per one-hot tile (one-hot and two-launch paths)
-    nsub = -(-n // sub)
-    if nsub <= _ALIGN_ONEHOT_MAX_SUB and sp2 * block_m <= _ALIGN_ONEHOT_MAX_PAD:
-        kern.align_onehot_kernel[(1,)](ids, e2s, slot, block_slot, num_padded, sorted_ids, n, e2s.numel(), s, p,
-                                       NSUB=max(1, nsub), SUB=sub, SP2=sp2, BLOCK_M=block_m,
-                                       BCHUNK=min(256, _np2(p // block_m)), num_warps=_ALIGN_ONEHOT_WARPS)
-    elif n <= _ALIGN_ONE_PROGRAM_MAX_N:
+    if n <= _ALIGN_ONE_PROGRAM_MAX_N:
         # Decode-sized: one launch (the kernel zeroes its own counters).
         scratch = torch.empty(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor
         kern.align_small_kernel[(1,)](ids, e2s, slot, scratch[:sp2], scratch[sp2:], block_slot, num_padded,
@@ -142,7 +128,7 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
         # Each program takes nsub sub-chunks of `sub` token-slots, each against all slots at once
         # (one-hot tiles of 4096 elements); nsub grows with N up to 4 (so 32-128 programs up to
         # N = 256 * sub, more beyond).
-        sub = max(8, min(256, 4096 // sp2))  # (at most 512 slots here: the same as above)
+        sub = max(8, min(256, 4096 // sp2))
         nsub = min(4, _np2(max(1, -(-n // (sub * 64)))))
         c = max(1, -(-n // (nsub * sub)))  # (program 0 writes num_padded: one program even for N = 0)
         hist = torch.empty((c, sp2), dtype=torch.int32, device=dev)
@@ -181,11 +167,10 @@ def _forced_sorted_h(on: bool):
 
 
 def _forced_align(path: str):
-    """align_by_slot takes the given path ("onehot", "one_program", "two_launch" or "atomics") whatever
-    N and S are, within the block."""
-    hot, one, two = {"onehot": (1 << 62, -1, -1), "one_program": (-1, 1 << 62, 0), "two_launch": (-1, -1, 1 << 62),
-                     "atomics": (-1, -1, -1)}[path]
-    return _overriding(_ALIGN_ONEHOT_MAX_SUB=hot, _ALIGN_ONE_PROGRAM_MAX_N=one, _ALIGN_TWO_LAUNCH_MAX_SLOTS=two)
+    """align_by_slot takes the given path ("one_program", "two_launch" or "atomics") whatever N and S
+    are, within the block."""
+    one, two = {"one_program": (1 << 62, 0), "two_launch": (-1, 1 << 62), "atomics": (-1, -1)}[path]
+    return _overriding(_ALIGN_ONE_PROGRAM_MAX_N=one, _ALIGN_TWO_LAUNCH_MAX_SLOTS=two)
 
 
 def _check(x, topk_ids, topk_weights, expert_to_slot, w13, w2, w13_scale, w2_scale):
