@@ -441,7 +441,8 @@ SORTED_GU_A8 = [(64, 64, 8, 8, 4, True), (64, 128, 8, 8, 3, True), (128, 64, 8, 
                 (128, 64, 8, 8, 4, True), (128, 128, 8, 8, 3, True), (32, 64, 8, 4, 4, True),
                 (64, 256, 8, 8, 3, True), (128, 128, 8, 16, 3, True), (128, 64, 8, 4, 4, True),
                 (64, 128, 4, 8, 4, True)]
-# (T=7 was swept in session 5 and lost to the sorted path; the direct path now stops at T*K = 8)
+# (T=7 was swept in session 5 and lost to the sorted path, again in session 16; the direct path now
+# stops at T*K = 8 or T = 2: configs.takes_direct)
 TUNE_CASES = ([("qwen3-30b-a3b", d, t) for d in ("bf16", "int8") for t in (1, 4096)]
               + [("qwen3-30b-a3b", "bf16", 512), ("mixtral-8x7b", "bf16", 1)])
 # decode-sized sorted T: int8 weights at T=64 ran at half the bandwidth a plain read of the same
@@ -528,7 +529,7 @@ def write_tuned_table(out_dir, gpu_name, shipped, found):
         merged.setdefault(k, {}).update(v)
     merged["_comment"] = (f"Tuned on an {gpu_name} by benchmarks/bench_gpu.py (S=32 slots for qwen3-30b-a3b, "
                           "S=4 for mixtral, --add-shape shapes as given); key H{H}_I{I}_{weight dtype}, then "
-                          "T; entries with \"path\": \"direct\" are the direct path's (T*K <= DIRECT_MAX_N).")
+                          "T; entries with \"path\": \"direct\" are the direct path's (configs.takes_direct).")
     path = os.path.join(out_dir, f"{table_name(gpu_name) or 'gpu'}_tuned.json")
     with open(path, "w") as f:
         json.dump(merged, f, indent=1, sort_keys=True)
@@ -542,7 +543,7 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
 
     from kt.gpu_ops import DirectConfig, MoEConfig, fused_moe, pick_config
     from kt.gpu_ops import moe as M
-    from kt.gpu_ops.configs import DIRECT_MAX_N, config_from_dict, shape_key
+    from kt.gpu_ops.configs import config_from_dict, shape_key, takes_direct
 
     def t_us(fn):
         g, _ = graph_of(torch, fn)
@@ -590,7 +591,7 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
             entry["act_quant2_us"] = t_us(lambda: M.act_quant2(x))
             log(f"  act_quant2 alone {entry['act_quant2_us']:.1f} us")
             entry["act_quant2_sweep"] = sweep_act_quant2(M, x, t_us)
-        if t * sh["K"] <= DIRECT_MAX_N:
+        if takes_direct(t, sh["K"]):
             e32 = e2s.to(torch.int32)
             base = pick_config(t, sh["K"], sh["S"], sh["H"], sh["I"], dtype)
             hb = M.direct_gate_up(x, wts["w13"], s13, ids, e32, base, cdt)
@@ -612,7 +613,7 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
                                  down_block_k=dn["cand"][1], down_num_warps=dn["cand"][2],
                                  down_num_stages=dn["cand"][3])
         elif t not in TUNE_BM:  # a sorted-path T without a block_m sweep (e.g. qwen3 T=7 since
-            # the direct path stops at T*K = 8): nothing to tune here
+            # the direct path stops at T = 2 for K = 8): nothing to tune here
             log(f"  sorted path at T={t}: no block_m sweep listed (TUNE_BM); skipped")
             continue
         else:

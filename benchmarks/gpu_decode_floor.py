@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How close any kernel can come to issue 6's "T <= 64 at >= 60 % of HBM bandwidth" at decode T.
 
-For the shapes, slot maps and routing of bench_gpu.py (bf16 and int8 weights, T in 1, 7, 64), each
+For the shapes, slot maps and routing of bench_gpu.py (bf16 and int8 weights, T in 1, 2, 7, 64), each
 timed as a CUDA-graph replay with L2 flushed (triton's do_bench, as bench_gpu.py does), min and
 median of interleaved rounds:
 - empty: one launch of a kernel that does nothing: the timing method's own floor;
@@ -153,7 +153,7 @@ def main(argv=None):
             w13w = wts["w13"].reshape(-1).view(torch.int32)
             w2w = wts["w2"].reshape(-1).view(torch.int32)
             nwords = (w13w.numel() + w2w.numel()) // sh["S"]
-            for t in (1, 7, 64):
+            for t in (1, 2, 7, 64):
                 gx = torch.Generator(device=dev).manual_seed(3 + t)
                 x = torch.randn(t, sh["H"], device=dev, generator=gx).to(torch.bfloat16)
                 ids, w = B.make_routing(torch, sh, t, e2s, dev, 4 + t)

@@ -1,8 +1,9 @@
 """Launch configs of the fused-MoE kernels: a frozen dataclass, a pure heuristic, and tuned JSON tables.
 
 Two paths (see kt/gpu_ops/moe.py): the sorted path (`MoEConfig`: token-slots sorted by slot into row
-blocks, grouped GEMMs, a combine) and, for few token-slots (N = T*K <= DIRECT_MAX_N), the direct path
-(`DirectConfig`: two launches, no sorting, the combine folded into the down GEMM).
+blocks, grouped GEMMs, a combine) and, for few token-slots (`takes_direct`: N = T*K <= DIRECT_MAX_N, or
+T <= DIRECT_MAX_T), the direct path (`DirectConfig`: two launches, no sorting, the combine folded into
+the down GEMM).
 
 A tuned table (kt/gpu_ops/configs/<gpu>.json, written by benchmarks/bench_gpu.py) maps a shape key
 ``"H{H}_I{I}_{wdtype}"`` to ``{"<T>": {config fields}}`` (a direct-path entry has ``"path": "direct"``);
@@ -16,14 +17,24 @@ from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["MoEConfig", "DirectConfig", "DIRECT_MAX_N", "pick_config", "config_from_dict", "shape_key",
-           "table_name", "load_table", "table_for_device"]
+__all__ = ["MoEConfig", "DirectConfig", "DIRECT_MAX_N", "DIRECT_MAX_T", "takes_direct", "pick_config",
+           "config_from_dict", "shape_key", "table_name", "load_table", "table_for_device"]
 
 # Token-slots (T*K) up to which the direct path is the default. H200 (session 5, results/gpu_s5_*):
 # at T=1 it beat the sorted path (qwen3 bf16 20.9 vs 26.8 us, int8 20.5 vs 24.7, mixtral 110 vs
 # 119); at T=7 it lost (qwen3 bf16 63 vs 47 us, mixtral 410 vs 345): its down GEMV re-reads an
 # expert's rows for every token that uses it.
 DIRECT_MAX_N = 8
+# Tokens up to which the direct path is the default whatever K is. At T=2 a slot's rows are read at
+# most twice. H200, session 16 (benchmarks/gpu_decode_path_probe.py, results/gpu_s16_run2_*), whole
+# op, sorted vs direct: qwen3 T=2 bf16 29.6 vs 24.5 us, int8 32.8 vs 21.2; at T=4 the sorted path
+# wins (bf16 47.2 vs 51.6, int8 41.3 vs 43.0), and at T=7 for mixtral too (337 vs 366).
+DIRECT_MAX_T = 2
+
+
+def takes_direct(num_tokens: int, top_k: int) -> bool:
+    """Whether a call of T tokens with top-k K takes the direct path by default (pick_config)."""
+    return num_tokens * top_k <= DIRECT_MAX_N or num_tokens <= DIRECT_MAX_T
 
 _TABLE_DIR = Path(__file__).with_name("configs")
 
@@ -227,7 +238,7 @@ def _direct_heuristic(hidden: int, inter: int) -> DirectConfig:
 def pick_config(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: int,
                 weight_dtype: str, table: dict | None = None) -> "MoEConfig | DirectConfig":
     """The launch config for one call (pure: same arguments, same answer): a DirectConfig when
-    T*K <= DIRECT_MAX_N, else a MoEConfig.
+    ``takes_direct(T, K)`` (T*K <= DIRECT_MAX_N or T <= DIRECT_MAX_T), else a MoEConfig.
 
     num_tokens T, top_k K, num_slots S (GPU experts), hidden H, inter I, weight_dtype 'bf16' /
     'fp16' / 'fp32' / 'int8'; table: a loaded tuned table (see `load_table`) or None.
@@ -238,7 +249,7 @@ def pick_config(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter:
             raise ValueError(f"pick_config: {name} must be a non-negative int, got {v!r}")
     if weight_dtype not in ("bf16", "fp16", "fp32", "int8"):
         raise ValueError(f"pick_config: weight_dtype must be 'bf16', 'fp16', 'fp32' or 'int8', got {weight_dtype!r}")
-    direct = num_tokens * top_k <= DIRECT_MAX_N
+    direct = takes_direct(num_tokens, top_k)
     entries = {t: e for t, e in ((table or {}).get(shape_key(hidden, inter, weight_dtype)) or {}).items()
                if (e.get("path") == "direct") == direct}
     if entries:

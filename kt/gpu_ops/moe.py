@@ -5,7 +5,7 @@ Two paths, chosen by the config (default: `pick_config`):
 - sorted (`MoEConfig`): align token-slots by slot into row blocks, grouped gate+up GEMM, grouped down
   GEMM into rows y (bf16 for a bf16 output, else fp32), combine: five launches (three for
   decode-sized N), for any T;
-- direct (`DirectConfig`, the default for N <= DIRECT_MAX_N): gate+up programs that find their slot's
+- direct (`DirectConfig`, the default for N <= DIRECT_MAX_N or T <= DIRECT_MAX_T): gate+up programs that find their slot's
   token-slots themselves, then a down GEMV per token that sums its experts: two launches, no sort and
   no fp32 [N, H] round trip, which at decode sizes were most of the time.
 

@@ -3,13 +3,13 @@ import json
 
 import pytest
 
-from kt.gpu_ops.configs import (DIRECT_MAX_N, DirectConfig, MoEConfig, config_from_dict, load_table, pick_config,
+from kt.gpu_ops.configs import (DIRECT_MAX_T, DirectConfig, MoEConfig, config_from_dict, load_table, pick_config,
                                 shape_key, table_name)
 
 
 def test_heuristic_regimes():
     # Few rows per slot (just above the direct path's limit): smallest row block; prefill: large tiles.
-    small = pick_config(DIRECT_MAX_N // 8 + 1, 8, 32, 2048, 768, "bf16")
+    small = pick_config(DIRECT_MAX_T + 1, 8, 32, 2048, 768, "bf16")
     large = pick_config(4096, 8, 32, 2048, 768, "bf16")
     assert small.block_m == 16 and large.block_m >= 64
     assert large.block_m * large.block_n > small.block_m * small.block_n

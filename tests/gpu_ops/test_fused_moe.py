@@ -167,11 +167,14 @@ def test_direct_path_configs(run_case, cfg, t, k, h, i, dtype):
 
 def test_direct_path_is_the_decode_default():
     from kt.gpu_ops import DirectConfig, MoEConfig, pick_config
-    from kt.gpu_ops.configs import DIRECT_MAX_N
+    from kt.gpu_ops.configs import DIRECT_MAX_N, DIRECT_MAX_T
 
     assert isinstance(pick_config(1, 8, 32, 2048, 768, "bf16"), DirectConfig)
-    assert isinstance(pick_config(DIRECT_MAX_N // 8, 8, 32, 2048, 768, "int8"), DirectConfig)
-    assert isinstance(pick_config(DIRECT_MAX_N // 8 + 1, 8, 32, 2048, 768, "bf16"), MoEConfig)
+    # up to DIRECT_MAX_T tokens whatever K is; beyond, while T*K <= DIRECT_MAX_N
+    assert isinstance(pick_config(DIRECT_MAX_T, 8, 32, 2048, 768, "int8"), DirectConfig)
+    assert isinstance(pick_config(DIRECT_MAX_T + 1, 8, 32, 2048, 768, "bf16"), MoEConfig)
+    assert isinstance(pick_config(DIRECT_MAX_N // 2, 2, 4, 4096, 14336, "bf16"), DirectConfig)
+    assert isinstance(pick_config(DIRECT_MAX_N // 2 + 1, 2, 4, 4096, 14336, "int8"), MoEConfig)
 
 
 def test_expert_without_tokens(run_case):
