@@ -424,10 +424,7 @@ DIRECT_GU = [("scan", 32, 256, 4, 3), ("scan", 32, 128, 4, 4), ("scan", 64, 128,
 DIRECT_DOWN = [(16, 1024, 4, 1), (8, 1024, 4, 1), (4, 1024, 2, 1), (8, 512, 2, 1), (2, 1024, 2, 1), (4, 512, 4, 1),
                (4, 1024, 4, 1), (16, 2048, 8, 1),
                (2, 1024, 2, 3), (2, 512, 2, 4), (4, 512, 4, 4), (4, 1024, 4, 3), (8, 512, 4, 4), (8, 256, 4, 6),
-               (16, 512, 8, 3), (2, 256, 2, 6), (4, 256, 2, 5), (1, 1024, 2, 4), (2, 2048, 4, 4),
-               # a fifth field True: all of a token's experts in one loop (DirectConfig.down_all_k)
-               (2, 256, 4, 3, True), (4, 256, 4, 3, True), (1, 1024, 4, 3, True), (4, 128, 4, 4, True),
-               (2, 512, 4, 1, True)]
+               (16, 512, 8, 3), (2, 256, 2, 6), (4, 256, 2, 5), (1, 1024, 2, 4), (2, 2048, 4, 4)]
 # the block_k 256 entries: more weight bytes in flight per program, for the memory-bound
 # small-block_m cases (an int8 tile of a given shape is half a bf16 tile's bytes); the narrow, deep-
 # pipelined down tiles (session 15): more programs, all of a decode-sized slot's k steps in flight
@@ -604,8 +601,7 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
                                                       num_warps=c[3], num_stages=c[4]), cdt), DIRECT_GU)
             dn_rows, dn = sweep("down", lambda c: M.direct_down(
                 hb, wts["w2"], s2, w, ids, e32, out, replace(base, down_block_n=c[0], down_block_k=c[1],
-                                                             down_num_warps=c[2], down_num_stages=c[3],
-                                                             down_all_k=len(c) > 4 and c[4])),
+                                                             down_num_warps=c[2], down_num_stages=c[3])),
                 DIRECT_DOWN)
             entry.update(gate_up_sweep=gu_rows, down_sweep=dn_rows)
             if not (gu and dn):
@@ -615,7 +611,7 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
             tuned = DirectConfig(gate_up=gu["cand"][0], block_n=gu["cand"][1], block_k=gu["cand"][2],
                                  num_warps=gu["cand"][3], num_stages=gu["cand"][4], down_block_n=dn["cand"][0],
                                  down_block_k=dn["cand"][1], down_num_warps=dn["cand"][2],
-                                 down_num_stages=dn["cand"][3], down_all_k=len(dn["cand"]) > 4 and dn["cand"][4])
+                                 down_num_stages=dn["cand"][3])
         elif t not in TUNE_BM:  # a sorted-path T without a block_m sweep (e.g. qwen3 T=7 since
             # the direct path stops at T = 2 for K = 8): nothing to tune here
             log(f"  sorted path at T={t}: no block_m sweep listed (TUNE_BM); skipped")

@@ -113,10 +113,9 @@ def main(argv=None):
         case["best_direct"] = direct
         res["cases"].append(case)
         s_, d_ = case["variants"]["sorted"], case["variants"][direct]
+        timed = [(vn[7:], v["min_us"]) for vn, v in case["variants"].items() if "min_us" in v and vn != "sorted"]
         print(f"{name} {dtype} T={t} ({nbytes / 1e6:.1f} MB): sorted {s_['min_us']:.1f} us, best direct "
-              f"{d_['min_us']:.1f} us ({direct}); " + ", ".join(
-                  f"{vn[7:]} {v['min_us']:.1f}" for vn, v in case["variants"].items() if "min_us" in v and vn != "sorted"),
-              flush=True)
+              f"{d_['min_us']:.1f} us ({direct}); " + ", ".join(f"{vn} {us:.1f}" for vn, us in timed), flush=True)
         del graphs
     print(f"wrote {write_json(a.out, 'gpu_decode_path_probe.json', res)}")
     return 0

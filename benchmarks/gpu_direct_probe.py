@@ -39,12 +39,9 @@ CASES = [("mixtral-8x7b", "int8", 1), ("mixtral-8x7b", "bf16", 1), ("qwen3-30b-a
 GU = [(4, 512, 4, 1), (4, 512, 4, 3), (8, 256, 4, 4), (2, 1024, 4, 4), (1, 1024, 2, 4), (4, 1024, 4, 3),
       (8, 512, 8, 3), (2, 512, 2, 4)]
 DOWN = [(2, 1024, 2, 1), (2, 1024, 2, 3), (4, 1024, 4, 3), (8, 512, 4, 4), (16, 512, 8, 3), (4, 256, 2, 5),
-        (8, 256, 4, 6),
-        # a fifth field True: all of a token's experts in one loop (DirectConfig.down_all_k, session 16)
-        (2, 256, 4, 3, True), (4, 256, 4, 3, True), (1, 1024, 4, 3, True), (2, 512, 4, 1, True),
-        (4, 128, 4, 4, True), (8, 128, 4, 4, True), (2, 256, 2, 4, True)]
+        (8, 256, 4, 6)]
 DRY = dict(cases=[("tiny", "int8", 1), ("tiny", "bf16", 1)],
-           gu=[(4, 32, 4, 1), (4, 16, 4, 3)], down=[(2, 16, 2, 1), (4, 16, 2, 3), (2, 16, 2, 3, True)])
+           gu=[(4, 32, 4, 1), (4, 16, 4, 3)], down=[(2, 16, 2, 1), (4, 16, 2, 3)])
 
 
 def _load(path):
@@ -58,8 +55,7 @@ def _config(gu, dn):
     from kt.gpu_ops import DirectConfig
 
     return DirectConfig(gate_up="pairs", block_n=gu[0], block_k=gu[1], num_warps=gu[2], num_stages=gu[3],
-                        down_block_n=dn[0], down_block_k=dn[1], down_num_warps=dn[2], down_num_stages=dn[3],
-                        down_all_k=len(dn) > 4 and dn[4])
+                        down_block_n=dn[0], down_block_k=dn[1], down_num_warps=dn[2], down_num_stages=dn[3])
 
 
 def _with_kernels(M, kern, fn):

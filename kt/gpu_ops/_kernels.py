@@ -646,7 +646,7 @@ def down_tokens_kernel(
     stride_se, stride_sn,
     stride_ot, stride_oh,
     TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    INT8_W: tl.constexpr, UPCAST: tl.constexpr, ALL_K: tl.constexpr,
+    INT8_W: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[t, cols] = sum over k (in order) with a GPU slot s of topk_w[t, k] * (w2_s @ h[t*K + k])[cols]
     for t = program_id(0), cols = BLOCK_N columns picked by program_id(1); fp32 sums, out in its dtype
@@ -656,11 +656,7 @@ def down_tokens_kernel(
     through its reduction loop.
     h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only). Products are formed in fp32 from the exact h
     and weight values (bf16 x bf16 products are exact in fp32). STAGES pipelines the k loop as in
-    gate_up_pairs_kernel. ALL_K: one loop over I for all K experts at once ([KP, BLOCK_N, BLOCK_K]
-    tiles, an expert off the GPU masked), so their loads go out together instead of one expert's
-    loop after another's; the masked lanes cost issue slots, so it pays where K is large and each
-    expert's share small (qwen3), not where an expert's loop is long (mixtral). Still summed over
-    k in k order."""
+    gate_up_pairs_kernel."""
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -673,50 +669,26 @@ def down_tokens_kernel(
     on_v = e_ok & (sv >= 0) & (sv < S)
     rwv = tl.load(topk_w_ptr + t * TOP_K + kk, mask=on_v, other=0.0)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if ALL_K:
-        s64v = tl.where(on_v, sv, 0).to(tl.int64)
-        on_nv = on_v[:, None] & n_mask[None, :]
-        w_rows = w2_ptr + s64v[:, None, None] * stride_we + offs_n[None, :, None] * stride_wn
-        h_rows = h_ptr + (t * TOP_K + kk)[:, None] * stride_hm
-        part3 = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        # (no trip for a token with no GPU expert)
-        for kb in tl.range(0, tl.cdiv(I, BLOCK_K) * tl.max(on_v.to(tl.int32), 0), num_stages=STAGES):
+    for k in tl.static_range(TOP_K):
+        n = t * TOP_K + k
+        sel = kk == k
+        on = tl.sum(tl.where(sel & on_v, 1, 0), 0)
+        s64 = tl.sum(tl.where(sel & on_v, sv, 0), 0).to(tl.int64)
+        rw = tl.sum(tl.where(sel, rwv, 0.0), 0)
+        on_n = n_mask & ((offs_n * 0 + on) > 0)  # block-shaped (see combine_kernel)
+        part2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # summed over k after the loop (as pairs)
+        # no trip for a token-slot off the GPU: masked-off steps still cost (mixtral int8 T=1: 42 -> 26 us)
+        for kb in tl.range(0, tl.cdiv(I, BLOCK_K) * on, num_stages=STAGES):
             k_mask = offs_k < I - kb * BLOCK_K
-            hv = tl.load(h_rows + (kb * BLOCK_K + offs_k)[None, :] * stride_hi, mask=on_v[:, None] & k_mask[None, :],
-                         other=0.0)
-            wv = tl.load(w_rows + (kb * BLOCK_K + offs_k)[None, None, :] * stride_wi,
-                         mask=on_nv[:, :, None] & k_mask[None, None, :], other=0.0)
-            if INT8_W and not UPCAST:
+            hv = tl.load(h_ptr + n * stride_hm + (kb * BLOCK_K + offs_k) * stride_hi, mask=k_mask, other=0.0)
+            wv = tl.load(w2_ptr + s64 * stride_we + offs_n[:, None] * stride_wn
+                         + (kb * BLOCK_K + offs_k)[None, :] * stride_wi,
+                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if INT8_W and not UPCAST:  # int8 -> bf16: exact, byte permutes; int8 -> fp32: I2F, quarter rate
                 wv = wv.to(tl.bfloat16)
-            part3 += wv.to(tl.float32) * hv.to(tl.float32)[:, None, :]
-        parts = tl.sum(part3, 2)
+            part2 += wv.to(tl.float32) * hv.to(tl.float32)[None, :]
+        part = tl.sum(part2, 1)
         if INT8_W:
-            parts = parts * tl.load(s2_ptr + s64v[:, None] * stride_se + offs_n[None, :] * stride_sn, mask=on_nv,
-                                    other=0.0)
-        parts = tl.where(on_nv, parts * rwv[:, None], 0.0)
-        for k in tl.static_range(TOP_K):  # k order, as the loop below (adding the other rows' zeros is exact)
-            acc += tl.sum(tl.where((kk == k)[:, None], parts, 0.0), 0)
-    else:
-        for k in tl.static_range(TOP_K):
-            n = t * TOP_K + k
-            sel = kk == k
-            on = tl.sum(tl.where(sel & on_v, 1, 0), 0)
-            s64 = tl.sum(tl.where(sel & on_v, sv, 0), 0).to(tl.int64)
-            rw = tl.sum(tl.where(sel, rwv, 0.0), 0)
-            on_n = n_mask & ((offs_n * 0 + on) > 0)  # block-shaped (see combine_kernel)
-            part2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # summed over k after the loop (as pairs)
-            # no trip for a token-slot off the GPU: masked-off steps still cost (mixtral int8 T=1: 42 -> 26 us)
-            for kb in tl.range(0, tl.cdiv(I, BLOCK_K) * on, num_stages=STAGES):
-                k_mask = offs_k < I - kb * BLOCK_K
-                hv = tl.load(h_ptr + n * stride_hm + (kb * BLOCK_K + offs_k) * stride_hi, mask=k_mask, other=0.0)
-                wv = tl.load(w2_ptr + s64 * stride_we + offs_n[:, None] * stride_wn
-                             + (kb * BLOCK_K + offs_k)[None, :] * stride_wi,
-                             mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                if INT8_W and not UPCAST:  # int8 -> bf16: exact, byte permutes; int8 -> fp32: I2F, quarter rate
-                    wv = wv.to(tl.bfloat16)
-                part2 += wv.to(tl.float32) * hv.to(tl.float32)[None, :]
-            part = tl.sum(part2, 1)
-            if INT8_W:
-                part = part * tl.load(s2_ptr + s64 * stride_se + offs_n * stride_sn, mask=on_n, other=0.0)
-            acc += tl.where(on_n, part * rw, 0.0)
+            part = part * tl.load(s2_ptr + s64 * stride_se + offs_n * stride_sn, mask=on_n, other=0.0)
+        acc += tl.where(on_n, part * rw, 0.0)
     tl.store(out_ptr + t * stride_ot + offs_n * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=n_mask)

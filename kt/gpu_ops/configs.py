@@ -147,9 +147,7 @@ class DirectConfig:
     block_n columns)); block_k reduction depth per step, num_warps / num_stages (for "pairs": how
     many k steps the pipelined loop keeps in flight, 1 = none). down: one program per (token,
     down_block_n columns of H), reading down_block_k of I per step, down_num_warps, down_num_stages
-    (as the pairs' num_stages); down_all_k: the program reads all K of its token's experts in one
-    loop ([K, down_block_n, down_block_k] tiles, experts off the GPU masked) instead of one expert's
-    loop after another.
+    (as the pairs' num_stages).
     """
 
     gate_up: str = "scan"
@@ -161,11 +159,8 @@ class DirectConfig:
     down_block_k: int = 1024
     down_num_warps: int = 4
     down_num_stages: int = 1
-    down_all_k: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.down_all_k, bool):
-            raise ValueError(f"DirectConfig.down_all_k must be True or False, got {self.down_all_k!r}")
         if self.gate_up not in ("scan", "pairs"):
             raise ValueError(f"DirectConfig.gate_up must be 'scan' or 'pairs', got {self.gate_up!r}")
         _check_pow2("DirectConfig", self, ("block_k", "down_block_k"), 16)

@@ -522,8 +522,7 @@ def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype):
 
 def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
     """Direct path: out [T, H] = sum over k of topk_weight * (w2 @ h) over the token's GPU experts, in k
-    order (fp32); zeros for a token with no GPU expert. One program per (token, column block), its
-    experts one after another or (config.down_all_k) all in one loop."""
+    order (fp32); zeros for a token with no GPU expert. One program per (token, column block)."""
     kern = _kernels()
     t, top_k = topk_ids.shape
     s, hid, inter = w2.shape
@@ -537,6 +536,5 @@ def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         *s2_strides, out.stride(0), out.stride(1),
         TOP_K=top_k, KP=_np2k(top_k), BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
-        STAGES=config.down_num_stages, INT8_W=int8w, UPCAST=kernels_interpreted(), ALL_K=config.down_all_k,
-        num_warps=config.down_num_warps)
+        STAGES=config.down_num_stages, INT8_W=int8w, UPCAST=kernels_interpreted(), num_warps=config.down_num_warps)
     return out

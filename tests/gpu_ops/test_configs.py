@@ -87,7 +87,6 @@ def test_config_validation(bad, match):
     (dict(num_stages=0), "num_stages"),
     (dict(down_num_warps=32), "down_num_warps"),
     (dict(down_num_stages=0), "down_num_stages"),
-    (dict(down_all_k=1), "down_all_k must be True or False"),
 ])
 def test_direct_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -107,8 +106,6 @@ def test_down_fields_and_round_trips():
     assert DirectConfig(gate_up="pairs", block_n=2).block_n == 2
     dc = DirectConfig(gate_up="pairs", block_n=4, down_block_n=4)
     assert config_from_dict(json.loads(json.dumps(dc.to_dict()))) == dc
-    dk = DirectConfig(gate_up="pairs", down_all_k=True)
-    assert config_from_dict(json.loads(json.dumps(dk.to_dict()))) == dk
     with pytest.raises(ValueError, match="unknown fields"):
         config_from_dict({"path": "direct", "block_m": 16})
 

@@ -160,11 +160,6 @@ def test_sorted_path_at_decode_sizes(run_case, t, k, h, i, e2s, dtype):
           down_num_stages=3), 2, 4, 80, 48, "int8"),
     (dict(gate_up="pairs", block_n=8, block_k=64, num_stages=3, down_block_n=4, down_block_k=32,
           down_num_stages=5), 1, 8, 64, 80, "bf16"),
-    # the down over all of a token's experts in one loop, through the whole op
-    (dict(gate_up="pairs", block_n=4, block_k=32, down_block_n=4, down_block_k=32, down_num_stages=3,
-          down_all_k=True), 2, 8, 64, 80, "int8"),
-    (dict(gate_up="pairs", block_n=4, block_k=32, down_block_n=8, down_block_k=16, down_all_k=True),
-     3, 3, 48, 40, "fp32"),
 ])
 def test_direct_path_configs(run_case, cfg, t, k, h, i, dtype):
     run_case(_cases.fused_case, t, 8, k, h, i, E2S_A, dtype, 400 + t + k, 0.1, dict(path="direct", **cfg))
@@ -251,11 +246,6 @@ def test_combine(run_case, t, k, h, block_h, ydtype):
     (3, 2, 48, 80, True, dict(down_block_n=4, down_block_k=32, down_num_stages=3)),
     (4, 4, 40, 64, False, dict(down_block_n=16, down_block_k=16, down_num_stages=1)),
     (2, 4, 64, 48, True, dict(down_block_n=2, down_block_k=64, down_num_stages=5)),
-    # all of a token's experts in one loop (down_all_k): top-k 3 (padded to 4 lanes), 4 and 8,
-    # masked tails of I and of H, pipelined or not
-    (3, 3, 40, 80, True, dict(down_block_n=16, down_block_k=32, down_num_stages=3, down_all_k=True)),
-    (4, 4, 64, 48, False, dict(down_block_n=2, down_block_k=64, down_num_stages=1, down_all_k=True)),
-    (2, 8, 48, 64, True, dict(down_block_n=4, down_block_k=16, down_num_stages=4, down_all_k=True)),
 ])
 def test_direct_down_skips_off_gpu_rows(run_case, t, k, h, i, int8w, config):
     run_case(_cases.direct_down_case, t, k, h, i, int8w, config, 50 + t + k)
