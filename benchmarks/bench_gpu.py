@@ -446,8 +446,9 @@ SORTED_GU_A8 = [(64, 64, 8, 8, 4, True), (64, 128, 8, 8, 3, True), (128, 64, 8, 
 TUNE_CASES = ([("qwen3-30b-a3b", d, t) for d in ("bf16", "int8") for t in (1, 4096)]
               + [("qwen3-30b-a3b", "bf16", 512), ("mixtral-8x7b", "bf16", 1)])
 # decode-sized sorted T: int8 weights at T=64 ran at half the bandwidth a plain read of the same
-# bytes reaches (gpu_decode_floor.py, session 11), with 16-row blocks re-reading a slot's weights
-TUNE_BM = {7: (16,), 64: (16, 32), 512: (32, 64), 4096: (64, 128)}
+# bytes reaches (gpu_decode_floor.py, session 11), with 16-row blocks re-reading a slot's weights;
+# T=16 and 32 (session 16): batched decode between the table's 7 and 64, which used the 64 entry
+TUNE_BM = {7: (16,), 16: (16,), 32: (16,), 64: (16, 32), 512: (32, 64), 4096: (64, 128)}
 # (tma, flatten) tried on the best tiles of each sorted-path kernel
 FLAGS = [(False, False), (True, False), (True, True)]
 
