@@ -129,22 +129,6 @@ def _int4_gemv_variants():
             "i4plain": KV.gemv_int4}
 
 
-def _int4_unpack_variants():
-    """The AVX-512 VNNI INT4 gemm whose M chunks of >= 2 token tiles unpack each block pair's
-    nibbles once into a scratch (``i4unpack``, the default since session 16) and the same body
-    unpacking them again in every tile (``i4inloop``, before), both compiled here with the
-    threshold constant."""
-    from kt.cpu_ops import kernels_avx512 as KV
-
-    def make(tiles):
-        @njit(nogil=True)
-        def k(xq, xs, data, scale, group_size, out, nb0, nb1):
-            KV._gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, True, tiles)
-        return k
-
-    return {"i4unpack": make(KV.INT4_UNPACK_MIN_TILES), "i4inloop": make(1 << 30)}
-
-
 def _vector_gemm_variants(scheme, variant):
     """The AVX-512 or AVX2 large-M kernel of ``scheme`` with and without its next-block L2
     prefetch (``gemm_pf``, ``gemm_nopf``), by name: the library's own body called with ``pf`` from
@@ -419,9 +403,6 @@ def main(argv=None):
             if scheme is QuantScheme.INT4 and variant in ("amx", "avx512_vnni", "avx512_bf16"):
                 for name, k in _int4_gemv_variants().items():
                     vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(k, km)) for L in layers]
-                for name, k in _int4_unpack_variants().items():
-                    vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool, kernels=(kv, k), variant=L.variant)
-                                   for L in layers]
             # row-block tasks instead of whole experts: separate act and down phases
             split = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
             for L in split:

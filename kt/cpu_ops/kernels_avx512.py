@@ -301,43 +301,19 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, True)
 
 
-# Token tiles of 4 from which an M chunk unpacks each block pair's nibbles once into an int8 scratch
-# (4 lines of 64 bytes per packed line: both blocks' low and high nibbles) and reads them from there
-# for every tile, instead of unpacking them again in each tile (2 and + 2 shift + 2 and per packed
-# line pair per tile).
-INT4_UNPACK_MIN_TILES = 2
-
-
 @njit(nogil=True, cache=True)
-def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, pf, unpack_min_tiles=INT4_UNPACK_MIN_TILES):
+def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, pf):
     # pf: as _gemm_int8
     m_count = xq.shape[0]
     xsum = group_sums(xq, group_size, xq.shape[1])
     mc = gemm_m_chunk(m_count, xq.shape[1])
-    buf = empty_line(data.shape[1] * 256 if -(-mc // 4) >= unpack_min_tiles else 64, np.uint8)
     for c0 in range(0, m_count, mc):
-        c1 = min(c0 + mc, m_count)
-        _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, c0, c1, pf,
-                        buf, -(-(c1 - c0) // 4) >= unpack_min_tiles)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _i4_unpack_pair(data, p0, p1, buf, lines, nib):
-    """buf[256 j : 256 j + 256] = block p0's low, high nibbles of packed line j, then block p1's, each
-    as 64 int8 (the high nibbles shifted down)."""
-    for j in range(lines):
-        o = 64 * j
-        q = 256 * j
-        w = load_i32x16(data, p0 + o)
-        store(buf, q, vand(w, nib))
-        store(buf, q + 64, vand(vsrl(w, 4), nib))
-        w = load_i32x16(data, p1 + o)
-        store(buf, q + 128, vand(w, nib))
-        store(buf, q + 192, vand(vsrl(w, 4), nib))
+        _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, c0,
+                        min(c0 + mc, m_count), pf)
 
 
 @njit(nogil=True, cache=True)
-def _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, m_lo, m_hi, pf, buf, unpacked):
+def _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, m_lo, m_hi, pf):
     lines = data.shape[1]
     d_pad = lines * 8
     blk = lines * 64
@@ -353,8 +329,6 @@ def _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, m_lo, 
         b1 = min(b0 + 1, nb1 - 1)
         p0, p1 = b0 * blk, b1 * blk
         nend = min(b0 + 4, nb1) * blk
-        if unpacked:
-            _i4_unpack_pair(data, p0, p1, buf, lines, nib)
         for m0 in range(m_lo, m_hi, 4):
             m1 = min(m0 + 1, last)
             m2 = min(m0 + 2, last)
@@ -380,20 +354,13 @@ def _gemm_int4_rows(xq, xs, xsum, data, scale, group_size, out, nb0, nb1, m_lo, 
                 c31 = c00
                 for j in range(g * gl, (g + 1) * gl):
                     pf_next(data, nxt, j, ppl, nend, 64)
-                    if unpacked:
-                        q = 256 * j
-                        l0 = load_i32x16(buf, q)
-                        h0 = load_i32x16(buf, q + 64)
-                        l1 = load_i32x16(buf, q + 128)
-                        h1 = load_i32x16(buf, q + 192)
-                    else:
-                        o = 64 * j
-                        w = load_i32x16(data, p0 + o)
-                        l0 = vand(w, nib)
-                        h0 = vand(vsrl(w, 4), nib)
-                        w = load_i32x16(data, p1 + o)
-                        l1 = vand(w, nib)
-                        h1 = vand(vsrl(w, 4), nib)
+                    o = 64 * j
+                    w = load_i32x16(data, p0 + o)
+                    l0 = vand(w, nib)
+                    h0 = vand(vsrl(w, 4), nib)
+                    w = load_i32x16(data, p1 + o)
+                    l1 = vand(w, nib)
+                    h1 = vand(vsrl(w, 4), nib)
                     k = 8 * j
                     v = bcast4_i32x16(xq, x0 + k)
                     c00 = vpdpbusd512(c00, l0, v)

@@ -261,24 +261,3 @@ def test_int4_prefetching_gemv_is_exact(g, name):
     gemm.launch(kern, pr, (xq, xs), a)
     gemm.launch(KV.gemv_int4, pr, (xq, xs), b)
     assert np.array_equal(a, b)
-
-
-@pytest.mark.skipif("avx512_bf16" not in VARIANTS and "avx512_vnni" not in VARIANTS, reason="needs AVX-512 VNNI")
-@pytest.mark.parametrize("m,nb", [(5, 3), (8, 4), (33, 5), (300, 2)])
-def test_avx512_int4_gemm_unpacked_tiles_identical(m, nb):
-    """The INT4 gemm's M chunks of >= 2 token tiles read nibbles unpacked once per block pair into a
-    scratch; tiles that unpack in the loop must give the same bits (the same exact int32 sums, the
-    same fp32 group terms in the same order). Odd block counts repeat the last block of a pair."""
-    from kt.cpu_ops import kernels_avx512 as k5
-
-    x, w = _data(m, 16 * nb, 320, seed=m)
-    p = packing.pack(w, QuantScheme.INT4, 64)
-    bufs = gemm.activation_buffers(m, p)
-    gemm.prepare_activations(x, p, bufs)
-    outs = []
-    for tiles in (1, 1 << 30):  # unpack from 1 tile on; never
-        out = np.full((m, p.n_pad), np.nan, np.float32)
-        k5._gemm_int4(bufs[0], bufs[1], p.data, p.scale, p.group_size, out, 0, p.num_blocks, True, tiles)
-        outs.append(out)
-    assert not np.isnan(outs[0]).any()
-    assert_exact(outs[1], outs[0], what=f"int4 gemm unpacked vs in-loop M={m} blocks={nb}")
