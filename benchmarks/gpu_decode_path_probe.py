@@ -4,11 +4,11 @@
 Until session 16 ``fused_moe`` took the direct path (two launches: a gate+up GEMV per token-slot or
 per slot, and a down GEMV per token that folds in the combine) only for T*K <= DIRECT_MAX_N = 8, which
 session 5 set when the direct down lost at T=7 (qwen3 bf16 63 vs 47 us: it reads an expert's rows
-again for every token that uses it). This probe's run 2 (session 16) moved the default to T*K <= 8
-or T <= 2 (``configs.takes_direct``). Session 15 made both GEMVs much faster (pipelined loops, one reduction after
-the loop, no trip for experts off the GPU: mixtral int8 T=1 down 46 -> 26 us), so the crossover may
-have moved: a qwen3 decode step at T=2..16 pays the sorted path's four launches (alignment, two
-GEMMs, combine) for a few dozen MB.
+again for every token that uses it). Session 15 made both GEMVs much faster (pipelined loops, one
+reduction after the loop, no trip for experts off the GPU: mixtral int8 T=1 down 46 -> 26 us), so the
+crossover may have moved: a qwen3 decode step at T=2..16 paid the sorted path's four launches
+(alignment, two GEMMs, combine) for a few dozen MB. This probe's run 2 (session 16) moved the default
+to T*K <= 8 or T <= 2 (``configs.takes_direct``).
 
 Per case (shape, weight dtype, T): the sorted path with the shipped table's config, and the direct
 path with the table's T=1 entry and with the gate+up / down tiles below, each output checked
