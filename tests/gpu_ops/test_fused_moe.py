@@ -28,6 +28,9 @@ E2S_B = [-1, 2, -1, -1, 0, -1, 1, -1]
     (1, 4, 128, 64, E2S_B, "int8"),
     (33, 4, 64, 96, E2S_A, "int8"),
     (0, 2, 64, 32, E2S_A, "bf16"),
+    # T=2 with T*K > 8: the direct path by default since session 16 (configs.takes_direct)
+    (2, 8, 64, 32, E2S_A, "bf16"),
+    (2, 6, 128, 96, E2S_B, "int8"),
 ])
 def test_fused_moe_vs_reference(run_case, t, k, h, i, e2s, dtype):
     run_case(_cases.fused_case, t, 8, k, h, i, e2s, dtype, 100 + t + k + h + i)
