@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kt import reference as ref
-from kt.cpu_ops.actquant import bf16_rows, quantize_rows
+from kt.cpu_ops.actquant import bf16_rows, group_sums, quantize_rows
 
 
 def _rows(seed, m, d):
@@ -51,3 +51,18 @@ def test_bf16_rows_matches_reference(m, d, d_pad):
     bf16_rows(x, xb)
     np.testing.assert_array_equal(xb[:, :d], ref.f32_to_bf16_bits(x))
     np.testing.assert_array_equal(xb[:, d:], 0)
+
+
+@pytest.mark.parametrize("m,d_pad,g", [(1, 64, 64), (7, 256, 32), (33, 2048, 64), (5, 384, 128)])
+def test_group_sums_exact(m, d_pad, g):
+    """8 * the int sum of each group of G activations (the INT4 kernels' nibble-offset term):
+    exact against numpy, extreme rows included, on a row-strided view as the driver passes."""
+    rng = np.random.default_rng(m + d_pad + g)
+    wide = rng.integers(-127, 128, (m, d_pad + 64)).astype(np.int8)
+    wide[0, :d_pad] = -127
+    if m > 1:
+        wide[1, :d_pad] = 127
+    xq = wide[:, :d_pad]
+    want = 8 * xq.astype(np.int64).reshape(m, d_pad // g, g).sum(axis=2)
+    got = group_sums(xq, g, d_pad)
+    assert got.dtype == np.int32 and np.array_equal(got, want)
