@@ -118,13 +118,23 @@ def make_e2s(torch, sh, dev, seed):
     return e2s.to(dev)
 
 
+def gpu_slots(torch, ids, e2s):
+    """Each token-slot's GPU slot (-1 for an id of -1 or an expert off the GPU): [T, K]."""
+    return torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
+
+
+def touched_slots(slots) -> list[int]:
+    """The GPU slots a routing uses (``gpu_slots``' values >= 0), sorted, each once."""
+    return sorted(set(int(s) for s in slots.flatten().tolist() if s >= 0))
+
+
 def op_inputs(torch, sh, t, dev, x_seed, route_seed):
     """One whole-op case of shape sh at T=t: (e2s, x [T, H] bf16, ids, w, GPU GEMM flops), the
     slot map seeded 1 as the probes use it, x and the routing from the given seeds."""
     e2s = make_e2s(torch, sh, dev, 1)
     x = torch.randn(t, sh["H"], device=dev, generator=torch.Generator(device=dev).manual_seed(x_seed))
     ids, w = make_routing(torch, sh, t, e2s, dev, route_seed)
-    slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
+    slots = gpu_slots(torch, ids, e2s)
     return e2s, x.to(torch.bfloat16), ids, w, 2 * int((slots >= 0).sum()) * 3 * sh["H"] * sh["I"]
 
 
@@ -132,7 +142,7 @@ def ref_gpu(torch, x, ids, w, e2s, w13f, w2f):
     """The spec in fp32 on the GPU (TF32 off): sum over GPU experts of w * w2 @ (silu(gate x) * up x)."""
     t, h = x.shape
     inter = w13f.shape[1] // 2
-    slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
+    slots = gpu_slots(torch, ids, e2s)
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     for s in range(w13f.shape[0]):
         tok, kk = torch.nonzero(slots == s, as_tuple=True)
@@ -147,8 +157,8 @@ def ref_gpu(torch, x, ids, w, e2s, w13f, w2f):
 def ref_kt_subset(torch, R, x, ids, w, e2s, w13f, w2f, rows):
     """kt.reference.moe_forward on token rows `rows`, with only the GPU slots those rows touch."""
     xs, idss, ws = x[rows], ids[rows], w[rows]
-    slots = torch.where(idss >= 0, e2s[idss.clamp(min=0)], -1)
-    touched = sorted(set(int(s) for s in slots.flatten().tolist() if s >= 0))
+    slots = gpu_slots(torch, idss, e2s)
+    touched = touched_slots(slots)
     remap = {s: j for j, s in enumerate(touched)}
     cids = slots.cpu().apply_(lambda s: remap.get(s, -1)) if touched else slots.cpu()
     w13c = w13f[touched].cpu().numpy() if touched else w13f[:0].cpu().numpy()
@@ -250,8 +260,8 @@ def part_moe(torch, R, res, shapes, dry, do_bench, deadline):
                 gx = torch.Generator(device=dev).manual_seed(3 + t)
                 x = torch.randn(t, sh["H"], device=dev, generator=gx).to(torch.bfloat16)
                 ids, w = make_routing(torch, sh, t, e2s, dev, 4 + t)
-                slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
-                touched = int(torch.unique(slots[slots >= 0]).numel())
+                slots = gpu_slots(torch, ids, e2s)
+                touched = len(touched_slots(slots))
                 gpu_rows = int((slots >= 0).sum())
                 entry = dict(shape=name, dtype=dtype, T=t, touched_slots=touched, gpu_token_slots=gpu_rows,
                              **sh)
@@ -578,8 +588,8 @@ def part_tune(torch, R, res, do_bench, deadline, shipped, dev="cuda", cases=None
         x = torch.randn(t, sh["H"], device=dev, generator=gx).to(torch.bfloat16)
         ids, w = make_routing(torch, sh, t, e2s, dev, 4 + t)
         ref = ref_gpu(torch, x, ids, w, e2s, w13f, w2f)
-        slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
-        touched = int(torch.unique(slots[slots >= 0]).numel())
+        slots = gpu_slots(torch, ids, e2s)
+        touched = len(touched_slots(slots))
         gpu_rows = int((slots >= 0).sum())
         w_bytes = touched * sum(v[0].numel() * v.element_size() for v in wts.values())
         flops = 2 * gpu_rows * 3 * sh["H"] * sh["I"]

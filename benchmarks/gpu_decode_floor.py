@@ -157,8 +157,7 @@ def main(argv=None):
                 gx = torch.Generator(device=dev).manual_seed(3 + t)
                 x = torch.randn(t, sh["H"], device=dev, generator=gx).to(torch.bfloat16)
                 ids, w = B.make_routing(torch, sh, t, e2s, dev, 4 + t)
-                slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
-                touched = sorted(set(int(s) for s in slots.flatten().tolist() if s >= 0))
+                touched = B.touched_slots(B.gpu_slots(torch, ids, e2s))
                 nbytes = 4 * len(touched) * nwords
                 keep = []
                 fns = {"empty": lambda: empty_kernel[(1,)](sink)}

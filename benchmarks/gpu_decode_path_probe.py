@@ -69,9 +69,8 @@ def main(argv=None):
         gx = torch.Generator(device=dev).manual_seed(3 + t)
         x = torch.randn(t, sh["H"], device=dev, generator=gx).to(torch.bfloat16)
         ids, w = B.make_routing(torch, sh, t, e2s, dev, 4 + t)
-        slots = torch.where(ids >= 0, e2s[ids.clamp(min=0)], -1)
         per_slot = sum(wts[n].numel() * wts[n].element_size() for n in ("w13", "w2")) // sh["S"]
-        nbytes = per_slot * len(set(int(s) for s in slots.flatten().tolist() if s >= 0))
+        nbytes = per_slot * len(B.touched_slots(B.gpu_slots(torch, ids, e2s)))
         ref = B.ref_gpu(torch, x, ids, w, e2s, w13f, w2f)
         args = (t, sh["K"], sh["S"], sh["H"], sh["I"], dtype, table)
         with mock.patch.multiple(C, DIRECT_MAX_T=0, DIRECT_MAX_N=0):  # the sorted path's table entry
