@@ -48,6 +48,16 @@ _ACT_QUANT_ELEMS = 4096
 _ACT_QUANT_WARPS = 4
 _ACT_QUANT_ROW_MAX = 8192
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
+# Programmatic dependent launch (Hopper and later): each kernel of a call is launched so that it may
+# start while the previous one finishes; it waits (griddepcontrol.wait) before it reads what that one
+# wrote, and the down kernel asks for its first weight tiles in L2 before waiting. None: the env
+# KT_GPU_PDL ("1" / "0"), else _PDL_DEFAULT. _PDL_PF_TILES: tiles per program of the sorted down
+# prefetched so (0: none); the direct down prefetches its token's expert rows when the touched w2
+# bytes (at most min(N, S) experts) are within _PDL_PF_MAX_BYTES (a share of the H200's 50 MB L2).
+_PDL = None
+_PDL_DEFAULT = False
+_PDL_PF_TILES = 1
+_PDL_PF_MAX_BYTES = 24 << 20
 # h between the GEMMs in sorted order (row blocks read by TMA) when the down's weights come by TMA;
 # else by token-slot (gathered rows). None: by the config; tests force either (_forced_sorted_h).
 _SORTED_H = None
@@ -84,6 +94,39 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@lru_cache(maxsize=16)
+def pdl_supported(index: int) -> bool:
+    """Whether kernels on CUDA device ``index`` can be launched with programmatic dependent launch:
+    compute capability 9.0 or later and a Triton with grid dependency control (3.4+)."""
+    return (index >= 0 and torch.cuda.get_device_capability(index)[0] >= 9
+            and _kernels().gdc_wait is not None)
+
+
+def _pdl_for(x) -> bool:
+    """Whether fused_moe launches its kernels on x's device with programmatic dependent launch."""
+    import os
+
+    if x.device.type != "cuda" or kernels_interpreted():
+        return False
+    on = _PDL
+    if on is None:
+        env = os.environ.get("KT_GPU_PDL", "").strip()
+        on = _PDL_DEFAULT if env == "" else env not in ("0", "false", "no", "off")
+    return bool(on) and pdl_supported(_dev_index(x.device))
+
+
+def _pdl_kw(pdl: bool) -> dict:
+    # (nothing is passed without PDL: the kernels' PDL defaults to False, and the interpreter
+    # never sees launch_pdl)
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
+def _forced_pdl(on: bool, pf_tiles: int | None = None):
+    """fused_moe launches with programmatic dependent launch (True, where supported) or without,
+    within the block; pf_tiles: the sorted down's prefetched tiles per program (default unchanged)."""
+    return _overriding(_PDL=on, _PDL_PF_TILES=_PDL_PF_TILES if pf_tiles is None else pf_tiles)
+
+
 def kernels_interpreted() -> bool:
     """True if the kernels run under Triton's interpreter (TRITON_INTERPRET=1 at their first use)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -91,7 +134,8 @@ def kernels_interpreted() -> bool:
     return isinstance(_kernels().gate_up_kernel, InterpretedFunction)
 
 
-def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slots: int, block_m: int):
+def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slots: int, block_m: int,
+                  pdl: bool = False):
     """Sort token-slots by expert slot into blocks of block_m rows, on the device, no host sync.
 
     topk_ids [T, K] int; expert_to_slot [E] int32; S = num_slots.
@@ -104,6 +148,7 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     up to 64 slots two launches without atomics, rows in token order inside each slot; beyond, four
     launches with atomics (rows in no fixed order inside a slot). The order changes no result: a
     row's dot products do not depend on the other rows of its tile.
+    pdl: the one-program path is launched with programmatic dependent launch (the others never are).
     """
     kern = _kernels()
     n = topk_ids.numel()
@@ -123,7 +168,7 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
         scratch = torch.empty(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor
         kern.align_small_kernel[(1,)](ids, e2s, slot, scratch[:sp2], scratch[sp2:], block_slot, num_padded,
                                       sorted_ids, n, e2s.numel(), s, p, SP2=sp2, BLOCK_M=block_m, BLOCK=1024,
-                                      CHUNK=chunk, FILL=_FILL)
+                                      CHUNK=chunk, FILL=_FILL, **_pdl_kw(pdl))
     elif sp2 <= _ALIGN_TWO_LAUNCH_MAX_SLOTS:
         # Each program takes nsub sub-chunks of `sub` token-slots, each against all slots at once
         # (one-hot tiles of 4096 elements); nsub grows with N up to 4 (so 32-128 programs up to
@@ -283,22 +328,26 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if s == 0 or inter == 0 or k == 0:
         return out.zero_()
     cdt = _compute_dtype(x.dtype, w13.dtype)
+    pdl = _pdl_for(x)
     if isinstance(config, DirectConfig):
         ids = topk_ids.contiguous()
         e2s = expert_to_slot.to(torch.int32)
-        hbuf = direct_gate_up(x, w13, w13_scale, ids, e2s, config, cdt)
-        direct_down(hbuf, w2, w2_scale, topk_weights, ids, e2s, out, config)
+        hbuf = direct_gate_up(x, w13, w13_scale, ids, e2s, config, cdt, pdl)
+        pf = pdl and min(t * k, s) * h * inter * w2.element_size() <= _PDL_PF_MAX_BYTES
+        direct_down(hbuf, w2, w2_scale, topk_weights, ids, e2s, out, config, pdl, pf)
         return out
 
     align = config.align_m
-    slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s, align)
+    slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s, align,
+                                                               pdl)
     programs = _INTERPRETER_PROGRAMS if interp else _PROGRAMS_PER_SM * _num_sms(_dev_index(x.device))
     dcfg = config.for_down()
     sh = sorted_h_for(dcfg)
-    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align, sh)
+    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align, sh,
+                   pdl)
     y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, dcfg, programs,
-             y_dtype_for(out.dtype), align, sh)
-    combine(y, slot32, out)
+             y_dtype_for(out.dtype), align, sh, pdl, _PDL_PF_TILES if pdl else 0)
+    combine(y, slot32, out, pdl=pdl)
     return out
 
 
@@ -379,10 +428,11 @@ def _align_of(config, align_m):
 
 
 def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config, compute_dtype, programs,
-            align_m=None, sorted_h=False):
+            align_m=None, sorted_h=False, pdl=False):
     """h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left unwritten).
     align_m: the block size align_by_slot ran with (default config.block_m; a multiple of it).
-    sorted_h: h [P, I] in sorted_ids' order instead (padding rows unwritten), for ``down(sorted_h=True)``."""
+    sorted_h: h [P, I] in sorted_ids' order instead (padding rows unwritten), for ``down(sorted_h=True)``.
+    pdl: launched with programmatic dependent launch (not with A8: act_quant2 is launched plainly)."""
     kern = _kernels()
     t = x.shape[0]
     n = t * top_k
@@ -409,7 +459,7 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype],
         UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **_pdl_kw(pdl))
     return hbuf
 
 
@@ -432,11 +482,13 @@ def act_quant2(x, elems: int = _ACT_QUANT_ELEMS, num_warps: int = _ACT_QUANT_WAR
 
 
 def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs,
-         y_dtype=torch.float32, align_m=None, sorted_h=False):
+         y_dtype=torch.float32, align_m=None, sorted_h=False, pdl=False, pf_tiles=0):
     """y [N, H] (y_dtype: fp32, or bf16 to halve the combine's reads) = topk_weight * (w2 @ h),
     summed in fp32, per GPU token-slot (other rows left unwritten).
     config: the down kernel's own (MoEConfig.for_down()); align_m as for gate_up; sorted_h: hbuf is
-    gate_up(sorted_h=True)'s [P, I] (its row blocks are read by TMA where the config's weights are)."""
+    gate_up(sorted_h=True)'s [P, I] (its row blocks are read by TMA where the config's weights are).
+    pdl: launched with programmatic dependent launch, asking for the weight rows of each program's
+    first pf_tiles tiles in L2 before it waits for the gate+up kernel."""
     kern = _kernels()
     n = topk_weights.numel()
     inter = hbuf.shape[1]
@@ -449,7 +501,11 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
     wd, tma = _weight_desc(w2, config)
     hd, tma_h = _act_desc(hbuf, config) if sorted_h and tma else (hbuf, False)
     align_m = _align_of(config, align_m)
-    kern.down_kernel[_grid(block_slot, h, config, programs, align_m)](
+    grid = _grid(block_slot, h, config, programs, align_m)
+    row_bytes = inter * w2.element_size()
+    if grid[0] * pf_tiles * config.block_n * row_bytes > _PDL_PF_MAX_BYTES:
+        pf_tiles = 0  # more than L2 would keep (e.g. mixtral's 28 KB rows)
+    kern.down_kernel[grid](
         hbuf, hd, w2, wd, s2, y, rw, sorted_ids, block_slot, num_padded,
         n, h, inter,
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
@@ -457,11 +513,16 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype],
         UPCAST=kernels_interpreted(), SORTED_H=sorted_h, TMA_H=tma_h, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **_pdl_kw(pdl), **_pf_kw(pdl and pf_tiles > 0, row_bytes, PF_TILES=pf_tiles))
     return y
 
 
-def combine(y, slot32, out, block_h: int = 1024, num_warps: int = 4):
+def _pf_kw(on: bool, row_bytes: int, **more) -> dict:
+    # the prefetch's constexprs: lines per weight row (a power of two), and ``more``
+    return {"PF_LINES": max(1, 1 << max(-(-row_bytes // 128) - 1, 0).bit_length()), **more} if on else {}
+
+
+def combine(y, slot32, out, block_h: int = 1024, num_warps: int = 4, pdl: bool = False):
     """out [T, H] = sum over k of y[t*K + k] where slot32[t*K + k] >= 0 (fp32, fixed order). A
     program takes one token x ``block_h`` columns (capped at H's next power of two). (H200, qwen3
     T=4096 with 25 % of the token-slots on the GPU: 19.3-19.5 us for 50 MB, 61 % of HBM; no launch
@@ -473,7 +534,7 @@ def combine(y, slot32, out, block_h: int = 1024, num_warps: int = 4):
     block_h = min(block_h, max(16, _np2(h)))
     kern.combine_kernel[(t, -(-h // block_h))](
         y, slot32, out, h, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=k, KP=_np2k(k), BLOCK_H=block_h, num_warps=num_warps)
+        TOP_K=k, KP=_np2k(k), BLOCK_H=block_h, num_warps=num_warps, **_pdl_kw(pdl))
 
 
 def _np2k(k: int) -> int:
@@ -485,7 +546,7 @@ def _np2(n: int) -> int:
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
-def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype):
+def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype, pdl=False):
     """Direct path: h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left
     unwritten). config.gate_up "scan": one program per (slot, column block), each scanning all N ids
     (a tensor-core tile of the slot's rows); "pairs": one GEMV program per (token-slot, column block)."""
@@ -507,7 +568,7 @@ def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype):
             *s13_strides, hbuf.stride(0), hbuf.stride(1),
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
             INT8_W=int8w, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            num_warps=config.num_warps, num_stages=config.num_stages, **_pdl_kw(pdl))
         return hbuf
     kern.gate_up_scan_kernel[(s, -(-inter // config.block_n))](
         xc, w13, s13, hbuf, topk_ids, e2s,
@@ -516,13 +577,15 @@ def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype):
         *s13_strides, hbuf.stride(0), hbuf.stride(1),
         NP=_np2(n), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         INT8_W=int8w, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl_kw(pdl))
     return hbuf
 
 
-def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
+def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config, pdl=False, pf=False):
     """Direct path: out [T, H] = sum over k of topk_weight * (w2 @ h) over the token's GPU experts, in k
-    order (fp32); zeros for a token with no GPU expert. One program per (token, column block)."""
+    order (fp32); zeros for a token with no GPU expert. One program per (token, column block).
+    pdl: launched with programmatic dependent launch; pf (with pdl): each program first asks for its
+    experts' w2 rows in L2 (the caller bounds the bytes: fused_moe by _PDL_PF_MAX_BYTES)."""
     kern = _kernels()
     t, top_k = topk_ids.shape
     s, hid, inter = w2.shape
@@ -536,5 +599,6 @@ def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         *s2_strides, out.stride(0), out.stride(1),
         TOP_K=top_k, KP=_np2k(top_k), BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
-        STAGES=config.down_num_stages, INT8_W=int8w, UPCAST=kernels_interpreted(), num_warps=config.down_num_warps)
+        STAGES=config.down_num_stages, INT8_W=int8w, UPCAST=kernels_interpreted(), num_warps=config.down_num_warps,
+        **_pdl_kw(pdl), **_pf_kw(pdl and pf, inter * w2.element_size(), PF=True))
     return out

@@ -362,3 +362,75 @@ def test_a8_graph_replay_is_bit_identical_to_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run(*new))
+
+
+def test_pdl_launch_options_stay_off_without_a_hopper_gpu():
+    """Programmatic dependent launch is never asked of the interpreter or a CPU tensor, and without
+    it no launch option changes (the kernels compile as before)."""
+    from kt.gpu_ops import moe
+
+    assert moe._pdl_kw(False) == {} and moe._pf_kw(False, 1536) == {}
+    assert moe._pdl_kw(True) == {"PDL": True, "launch_pdl": True}
+    # lines of 128 bytes per weight row, rounded up to a power of two
+    assert [moe._pf_kw(True, b)["PF_LINES"] for b in (1, 128, 129, 768, 1536, 28672)] == [1, 1, 2, 8, 16, 256]
+    with moe._forced_pdl(True):
+        assert not moe._pdl_for(torch.zeros(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (programmatic dependent launch)")
+@pytest.mark.parametrize("t,k,s,h,i,dtype,pf_tiles", [
+    (1, 8, 32, 256, 128, "bf16", 1),      # direct path, its down's rows prefetched
+    (2, 8, 32, 256, 128, "int8", 1),
+    (7, 8, 32, 256, 128, "bf16", 1),      # sorted path, one-program alignment
+    (64, 8, 32, 256, 128, "int8", 2),
+    (64, 8, 32, 256, 128, "bf16", 0),     # PDL without the prefetch
+    (300, 4, 8, 256, 128, "int8", 1),     # two-launch alignment (not PDL) before PDL GEMMs
+])
+def test_pdl_is_bit_identical_eager_and_in_a_graph(t, k, s, h, i, dtype, pf_tiles):
+    """fused_moe with programmatic dependent launch (each kernel may start while the previous one
+    finishes; the down kernel prefetches its weights before it waits) gives the plain launches'
+    output bit for bit: eagerly, and as three chained layers captured in a CUDA graph and replayed
+    with new inputs (each layer's first kernel overlaps the previous layer's last)."""
+    from kt.gpu_ops import moe
+
+    if not moe.pdl_supported(torch.cuda.current_device()):
+        pytest.skip("GPU before Hopper or Triton without grid dependency control")
+    g = torch.Generator().manual_seed(t + s)
+    e = 4 * s
+    e2s = torch.full((e,), -1, dtype=torch.int32)
+    e2s[torch.randperm(e, generator=g)[:s]] = torch.arange(s, dtype=torch.int32)
+    w13, w2 = _cases.weights(s, h, i, t)
+    kw = {}
+    if dtype == "int8":
+        w13, s13, _ = _cases.quant_int8(w13)
+        w2, s2, _ = _cases.quant_int8(w2)
+        kw = dict(w13_scale=s13.cuda(), w2_scale=s2.cuda())
+    else:
+        w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    e2s, w13, w2 = e2s.cuda(), w13.cuda(), w2.cuda()
+
+    def inputs(seed):
+        gg = torch.Generator().manual_seed(seed)
+        ids, w = _cases.routing(gg, t, e, k, 0.1)
+        return torch.randn(t, h, generator=gg).to(torch.bfloat16).cuda(), ids.cuda(), w.cuda()
+
+    def layers(x, ids, w):
+        for _ in range(3):
+            x = moe.fused_moe(x, ids, w, e2s, w13, w2, **kw)
+        return x
+
+    static = inputs(1)
+    with moe._forced_pdl(False):
+        want = [layers(*inputs(seed)) for seed in (1, 2, 3)]
+    with moe._forced_pdl(True, pf_tiles):
+        assert torch.equal(layers(*static), want[0]), "eager PDL differs from plain launches"
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layers(*static)
+    for seed in (2, 3):
+        for dst, src in zip(static, inputs(seed)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want[seed - 1]), f"graph replay with PDL differs (inputs {seed})"
