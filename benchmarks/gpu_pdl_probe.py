@@ -4,17 +4,20 @@
 At decode sizes the op is a chain of short kernels (alignment, gate+up, down, combine; or the direct
 path's two), and between two kernels the GPU drains one grid before it starts the next. With PDL
 (Hopper and later; ``kt.gpu_ops.moe._PDL``) each kernel is launched so that it may start while the
-previous one finishes: it waits (griddepcontrol.wait) before reading what that one wrote, and the
-down kernel first asks for its weight rows in L2 (``prefetch.global.L2``), so those stream in during
-the gate+up kernel's tail instead of after it. Issue 6's decode cells this is for: qwen3 int8 T=64
+previous one finishes: it waits (griddepcontrol.wait) before its first load, but its launch and
+start overlap the previous kernel's tail. Issue 6's decode cells this is for: qwen3 int8 T=64
 (52-53 % of HBM in session 16) and bf16 T=7 (46 %).
 
-Variants per case (shape, weight dtype, T; the shipped table's config): ``plain`` (no PDL), ``pdl``
-(no prefetch), ``pf1`` / ``pf2`` (the sorted down prefetches its programs' first 1 / 2 tiles; the
-direct down its experts' rows when the touched w2 bytes are within 24 MB), ``pf1_48mb`` (the
-direct down's bound raised to 48 MB). Each output must equal the plain one bit for bit. CUDA-graph
-replay, L2 flushed, min / median of interleaved rounds, as a fraction of the HBM copy bandwidth for
-the touched slots' weights (as gpu_decode_floor.py).
+Run 1 (session 17, results/gpu_pdl_probe_s17_run1.json) also had the L2 prefetch variants (the
+sorted down's first 1 or 2 tiles per program, the direct down's expert rows): no gain beyond
+PDL's within the rounds' spread, so the prefetch was removed. PDL itself won 0.5-1.2 us on the
+direct path and was mixed on the sorted path (mixtral int8 a8 lost 20 %), hence the default
+(``moe._pdl_for``): the direct path only.
+
+Variants per case (shape, weight dtype, T; the shipped table's config): ``plain`` (no PDL) and
+``pdl`` (both paths). Each output must equal the plain one bit for bit. CUDA-graph replay, L2
+flushed, min / median of interleaved rounds, as a fraction of the HBM copy bandwidth for the
+touched slots' weights (as gpu_decode_floor.py).
 
     PYTHONPATH=. python3 benchmarks/gpu_pdl_probe.py --out $OUT      (~2 min on the H200)
     python3 benchmarks/gpu_pdl_probe.py --dry-run                    (interpreter: no PDL, checks only)
@@ -32,14 +35,7 @@ from gpu_a8_probe import probe_setup  # noqa: E402
 
 CASES = ([("qwen3-30b-a3b", d, t) for d in ("bf16", "int8") for t in (1, 2, 7, 16, 64)]
          + [("mixtral-8x7b", d, t) for d in ("bf16", "int8") for t in (1, 7, 64)])
-MB = 1 << 20
-VARIANTS = {
-    "plain": dict(_PDL=False),
-    "pdl": dict(_PDL=True, _PDL_PF_TILES=0, _PDL_PF_MAX_BYTES=0),
-    "pf1": dict(_PDL=True, _PDL_PF_TILES=1, _PDL_PF_MAX_BYTES=24 * MB),
-    "pf2": dict(_PDL=True, _PDL_PF_TILES=2, _PDL_PF_MAX_BYTES=24 * MB),
-    "pf1_48mb": dict(_PDL=True, _PDL_PF_TILES=1, _PDL_PF_MAX_BYTES=48 * MB),
-}
+VARIANTS = {"plain": dict(_PDL=False), "pdl": dict(_PDL=True)}
 DRY_CASES = [("tiny", "bf16", 1), ("tiny", "int8", 9)]
 
 

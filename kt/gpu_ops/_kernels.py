@@ -45,27 +45,11 @@ def _cast(v, CT: tl.constexpr, UPCAST: tl.constexpr):
 def _pdl_start(PDL: tl.constexpr):
     """PDL (the kernel was launched with programmatic dependent launch, so it may start while the
     previous kernel on the stream still runs): wait until that kernel has finished and its writes
-    are visible, then let the next kernel start. Every kernel of a PDL chain calls this before it
-    reads anything an earlier kernel wrote (before any write too); a kernel reads ahead of it only
-    inputs that were complete before the previous kernel passed its own wait (weights, and what
-    the kernel before the previous one wrote)."""
+    are visible, then let the next kernel start. Every kernel of a PDL chain calls this first,
+    before any load or store, so that a chain computes exactly what plain launches compute."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch_rows_l2(base_ptr, row0, n_rows, row_stride, row_len, ROWS: tl.constexpr, LINES: tl.constexpr):
-    """Ask for rows [row0, row0 + ROWS) of a row-major matrix (rows row_stride elements apart, the
-    first row_len elements of each used, at most n_rows rows) in L2, 128-byte line by line (LINES >=
-    row_len * bytes / 128, a power of two; out-of-range lanes repeat a valid line). A hint: nothing
-    is read into registers."""
-    esize: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
-    r = tl.minimum(row0 + tl.arange(0, ROWS), n_rows - 1).to(tl.int64)
-    off = tl.minimum(tl.arange(0, LINES) * 128, row_len * esize - 1)
-    p = base_ptr.to(tl.pointer_type(tl.int8)) + r[:, None] * (row_stride * esize) + off[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [p], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -322,7 +306,6 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
     UPCAST: tl.constexpr, SORTED_H: tl.constexpr, TMA_H: tl.constexpr, PDL: tl.constexpr = False,
-    PF_TILES: tl.constexpr = 0, PF_LINES: tl.constexpr = 1,
 ):
     """y[n, :] = topk_w[n] * (w2_s @ h[n, :]) summed in fp32, stored in y's dtype (fp32, or bf16
     for a bf16 output), for every token-slot n routed to slot s.
@@ -335,21 +318,8 @@ def down_kernel(
     SORTED_H: h is [P, I] in the sorted order (gate_up_kernel's SORTED_H): a tile's rows are one
     contiguous block, read through h_desc (TMA_H: a TMA descriptor of h, [BLOCK_M, BLOCK_K] boxes) or
     pointers. H200, qwen3 int8 T=4096: 98.4 -> 88.2 us with TMA_H (benchmarks/gpu_sorted_a_probe.py).
-    PDL: launched with programmatic dependent launch (_pdl_start); then PF_TILES > 0 asks for the
-    weight rows of this program's first PF_TILES tiles in L2 before waiting for the gate+up kernel
-    (PF_LINES >= I * bytes / 128, a power of two), so the down weights stream in while that kernel
-    finishes. The tiles are found from num_padded and block_slot, which the alignment wrote before
-    the gate+up kernel passed its own wait; they are read past L1 (.cg).
+    PDL: launched with programmatic dependent launch (_pdl_start).
     """
-    if PF_TILES > 0:
-        npm = tl.load(num_padded_ptr, cache_modifier=".cg") // BLOCK_M
-        npn = tl.cdiv(H, BLOCK_N)
-        for j in tl.static_range(PF_TILES):
-            tile = tl.program_id(0) + j * tl.num_programs(0)
-            if tile < npm * npn:
-                pm, pn = _tile_ids(tile, npm, npn, GROUP_M)
-                sl = tl.load(block_slot_ptr + pm // (ALIGN_M // BLOCK_M), cache_modifier=".cg").to(tl.int64)
-                _prefetch_rows_l2(w2_ptr + sl * stride_we, pn * BLOCK_N, H, stride_wn, I, BLOCK_N, PF_LINES)
     _pdl_start(PDL)
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(H, BLOCK_N)
@@ -700,8 +670,7 @@ def down_tokens_kernel(
     stride_se, stride_sn,
     stride_ot, stride_oh,
     TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    INT8_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False, PF: tl.constexpr = False,
-    PF_LINES: tl.constexpr = 1,
+    INT8_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """out[t, cols] = sum over k (in order) with a GPU slot s of topk_w[t, k] * (w2_s @ h[t*K + k])[cols]
     for t = program_id(0), cols = BLOCK_N columns picked by program_id(1); fp32 sums, out in its dtype
@@ -711,10 +680,8 @@ def down_tokens_kernel(
     through its reduction loop.
     h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only). Products are formed in fp32 from the exact h
     and weight values (bf16 x bf16 products are exact in fp32). STAGES pipelines the k loop as in
-    gate_up_pairs_kernel. PDL: as gate_up_kernel; the ids and slots (inputs of the gate+up kernel
-    too) are read before the wait, and PF then asks for the rows this program reads of each GPU
-    expert's w2 in L2 (PF_LINES >= I * bytes / 128, a power of two), so they stream in while the
-    gate+up kernel finishes."""
+    gate_up_pairs_kernel. PDL: as gate_up_kernel."""
+    _pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -725,13 +692,6 @@ def down_tokens_kernel(
     e_ok = kk_in & (ev >= 0) & (ev < E)
     sv = tl.load(e2s_ptr + tl.where(e_ok, ev, 0), mask=e_ok, other=-1)
     on_v = e_ok & (sv >= 0) & (sv < S)
-    if PF:
-        for k in tl.static_range(TOP_K):
-            if tl.sum(tl.where((kk == k) & on_v, 1, 0), 0) > 0:
-                s64 = tl.sum(tl.where((kk == k) & on_v, sv, 0), 0).to(tl.int64)
-                _prefetch_rows_l2(w2_ptr + s64 * stride_we, tl.program_id(1) * BLOCK_N, H, stride_wn, I, BLOCK_N,
-                                  PF_LINES)
-    _pdl_start(PDL)
     rwv = tl.load(topk_w_ptr + t * TOP_K + kk, mask=on_v, other=0.0)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):

@@ -49,15 +49,13 @@ _ACT_QUANT_WARPS = 4
 _ACT_QUANT_ROW_MAX = 8192
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
 # Programmatic dependent launch (Hopper and later): each kernel of a call is launched so that it may
-# start while the previous one finishes; it waits (griddepcontrol.wait) before it reads what that one
-# wrote, and the down kernel asks for its first weight tiles in L2 before waiting. None: the env
-# KT_GPU_PDL ("1" / "0"), else _PDL_DEFAULT. _PDL_PF_TILES: tiles per program of the sorted down
-# prefetched so (0: none); the direct down prefetches its token's expert rows when the touched w2
-# bytes (at most min(N, S) experts) are within _PDL_PF_MAX_BYTES (a share of the H200's 50 MB L2).
+# start while the previous one finishes, and waits (griddepcontrol.wait) before its first load. None:
+# the env KT_GPU_PDL ("1": both paths, "0": none), else the direct path only. H200, CUDA-graph replay,
+# min us plain -> PDL (benchmarks/results/gpu_pdl_probe_s17_run1.json): direct path qwen3 bf16 T=1
+# 17.4 -> 16.5, int8 T=1 16.1 -> 15.6, int8 T=2 19.7 -> 19.1, mixtral int8 T=1 66.2 -> 64.9 (bf16
+# 94.5 -> 95.8); sorted path mixed: qwen3 bf16 T=7 43.7 -> 42.5 but int8 T=7 37.9 -> 38.9 and
+# mixtral int8 (a8) T=7 / T=64 197 -> 239 / 236 -> 285 (not understood).
 _PDL = None
-_PDL_DEFAULT = False
-_PDL_PF_TILES = 1
-_PDL_PF_MAX_BYTES = 24 << 20
 # h between the GEMMs in sorted order (row blocks read by TMA) when the down's weights come by TMA;
 # else by token-slot (gathered rows). None: by the config; tests force either (_forced_sorted_h).
 _SORTED_H = None
@@ -102,8 +100,9 @@ def pdl_supported(index: int) -> bool:
             and _kernels().gdc_wait is not None)
 
 
-def _pdl_for(x) -> bool:
-    """Whether fused_moe launches its kernels on x's device with programmatic dependent launch."""
+def _pdl_for(x, direct: bool) -> bool:
+    """Whether fused_moe launches its kernels on x's device with programmatic dependent launch
+    (direct: the direct path's two launches, else the sorted path's)."""
     import os
 
     if x.device.type != "cuda" or kernels_interpreted():
@@ -111,7 +110,7 @@ def _pdl_for(x) -> bool:
     on = _PDL
     if on is None:
         env = os.environ.get("KT_GPU_PDL", "").strip()
-        on = _PDL_DEFAULT if env == "" else env not in ("0", "false", "no", "off")
+        on = direct if env == "" else env not in ("0", "false", "no", "off")
     return bool(on) and pdl_supported(_dev_index(x.device))
 
 
@@ -121,10 +120,10 @@ def _pdl_kw(pdl: bool) -> dict:
     return {"PDL": True, "launch_pdl": True} if pdl else {}
 
 
-def _forced_pdl(on: bool, pf_tiles: int | None = None):
-    """fused_moe launches with programmatic dependent launch (True, where supported) or without,
-    within the block; pf_tiles: the sorted down's prefetched tiles per program (default unchanged)."""
-    return _overriding(_PDL=on, _PDL_PF_TILES=_PDL_PF_TILES if pf_tiles is None else pf_tiles)
+def _forced_pdl(on: bool):
+    """fused_moe launches with programmatic dependent launch on both paths (True, where supported) or
+    on neither, within the block."""
+    return _overriding(_PDL=on)
 
 
 def kernels_interpreted() -> bool:
@@ -328,13 +327,12 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if s == 0 or inter == 0 or k == 0:
         return out.zero_()
     cdt = _compute_dtype(x.dtype, w13.dtype)
-    pdl = _pdl_for(x)
+    pdl = _pdl_for(x, isinstance(config, DirectConfig))
     if isinstance(config, DirectConfig):
         ids = topk_ids.contiguous()
         e2s = expert_to_slot.to(torch.int32)
         hbuf = direct_gate_up(x, w13, w13_scale, ids, e2s, config, cdt, pdl)
-        pf = pdl and min(t * k, s) * h * inter * w2.element_size() <= _PDL_PF_MAX_BYTES
-        direct_down(hbuf, w2, w2_scale, topk_weights, ids, e2s, out, config, pdl, pf)
+        direct_down(hbuf, w2, w2_scale, topk_weights, ids, e2s, out, config, pdl)
         return out
 
     align = config.align_m
@@ -346,7 +344,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align, sh,
                    pdl)
     y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, dcfg, programs,
-             y_dtype_for(out.dtype), align, sh, pdl, _PDL_PF_TILES if pdl else 0)
+             y_dtype_for(out.dtype), align, sh, pdl)
     combine(y, slot32, out, pdl=pdl)
     return out
 
@@ -482,13 +480,12 @@ def act_quant2(x, elems: int = _ACT_QUANT_ELEMS, num_warps: int = _ACT_QUANT_WAR
 
 
 def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs,
-         y_dtype=torch.float32, align_m=None, sorted_h=False, pdl=False, pf_tiles=0):
+         y_dtype=torch.float32, align_m=None, sorted_h=False, pdl=False):
     """y [N, H] (y_dtype: fp32, or bf16 to halve the combine's reads) = topk_weight * (w2 @ h),
     summed in fp32, per GPU token-slot (other rows left unwritten).
     config: the down kernel's own (MoEConfig.for_down()); align_m as for gate_up; sorted_h: hbuf is
     gate_up(sorted_h=True)'s [P, I] (its row blocks are read by TMA where the config's weights are).
-    pdl: launched with programmatic dependent launch, asking for the weight rows of each program's
-    first pf_tiles tiles in L2 before it waits for the gate+up kernel."""
+    pdl: launched with programmatic dependent launch."""
     kern = _kernels()
     n = topk_weights.numel()
     inter = hbuf.shape[1]
@@ -501,11 +498,7 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
     wd, tma = _weight_desc(w2, config)
     hd, tma_h = _act_desc(hbuf, config) if sorted_h and tma else (hbuf, False)
     align_m = _align_of(config, align_m)
-    grid = _grid(block_slot, h, config, programs, align_m)
-    row_bytes = inter * w2.element_size()
-    if grid[0] * pf_tiles * config.block_n * row_bytes > _PDL_PF_MAX_BYTES:
-        pf_tiles = 0  # more than L2 would keep (e.g. mixtral's 28 KB rows)
-    kern.down_kernel[grid](
+    kern.down_kernel[_grid(block_slot, h, config, programs, align_m)](
         hbuf, hd, w2, wd, s2, y, rw, sorted_ids, block_slot, num_padded,
         n, h, inter,
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
@@ -513,13 +506,8 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype],
         UPCAST=kernels_interpreted(), SORTED_H=sorted_h, TMA_H=tma_h, num_warps=config.num_warps,
-        num_stages=config.num_stages, **_pdl_kw(pdl), **_pf_kw(pdl and pf_tiles > 0, row_bytes, PF_TILES=pf_tiles))
+        num_stages=config.num_stages, **_pdl_kw(pdl))
     return y
-
-
-def _pf_kw(on: bool, row_bytes: int, **more) -> dict:
-    # the prefetch's constexprs: lines per weight row (a power of two), and ``more``
-    return {"PF_LINES": max(1, 1 << max(-(-row_bytes // 128) - 1, 0).bit_length()), **more} if on else {}
 
 
 def combine(y, slot32, out, block_h: int = 1024, num_warps: int = 4, pdl: bool = False):
@@ -581,11 +569,10 @@ def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype, pdl=
     return hbuf
 
 
-def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config, pdl=False, pf=False):
+def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config, pdl=False):
     """Direct path: out [T, H] = sum over k of topk_weight * (w2 @ h) over the token's GPU experts, in k
     order (fp32); zeros for a token with no GPU expert. One program per (token, column block).
-    pdl: launched with programmatic dependent launch; pf (with pdl): each program first asks for its
-    experts' w2 rows in L2 (the caller bounds the bytes: fused_moe by _PDL_PF_MAX_BYTES)."""
+    pdl: launched with programmatic dependent launch."""
     kern = _kernels()
     t, top_k = topk_ids.shape
     s, hid, inter = w2.shape
@@ -600,5 +587,5 @@ def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config, pd
         *s2_strides, out.stride(0), out.stride(1),
         TOP_K=top_k, KP=_np2k(top_k), BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
         STAGES=config.down_num_stages, INT8_W=int8w, UPCAST=kernels_interpreted(), num_warps=config.down_num_warps,
-        **_pdl_kw(pdl), **_pf_kw(pdl and pf, inter * w2.element_size(), PF=True))
+        **_pdl_kw(pdl))
     return out

@@ -364,33 +364,40 @@ def test_a8_graph_replay_is_bit_identical_to_eager():
         assert torch.equal(out, run(*new))
 
 
-def test_pdl_launch_options_stay_off_without_a_hopper_gpu():
+def test_pdl_launch_options_stay_off_without_a_hopper_gpu(monkeypatch):
     """Programmatic dependent launch is never asked of the interpreter or a CPU tensor, and without
-    it no launch option changes (the kernels compile as before)."""
+    it no launch option changes (the kernels compile as before). On a GPU that has it, the default
+    is the direct path only, and KT_GPU_PDL switches both paths on or off."""
     from kt.gpu_ops import moe
 
-    assert moe._pdl_kw(False) == {} and moe._pf_kw(False, 1536) == {}
+    assert moe._pdl_kw(False) == {}
     assert moe._pdl_kw(True) == {"PDL": True, "launch_pdl": True}
-    # lines of 128 bytes per weight row, rounded up to a power of two
-    assert [moe._pf_kw(True, b)["PF_LINES"] for b in (1, 128, 129, 768, 1536, 28672)] == [1, 1, 2, 8, 16, 256]
     with moe._forced_pdl(True):
-        assert not moe._pdl_for(torch.zeros(1))
+        assert not moe._pdl_for(torch.zeros(1), True)
+    if not (torch.cuda.is_available() and moe.pdl_supported(torch.cuda.current_device())):
+        return
+    x = torch.zeros(1, device="cuda")
+    monkeypatch.delenv("KT_GPU_PDL", raising=False)
+    assert moe._pdl_for(x, True) and not moe._pdl_for(x, False)
+    monkeypatch.setenv("KT_GPU_PDL", "1")
+    assert moe._pdl_for(x, True) and moe._pdl_for(x, False)
+    monkeypatch.setenv("KT_GPU_PDL", "0")
+    assert not moe._pdl_for(x, True) and not moe._pdl_for(x, False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (programmatic dependent launch)")
-@pytest.mark.parametrize("t,k,s,h,i,dtype,pf_tiles", [
-    (1, 8, 32, 256, 128, "bf16", 1),      # direct path, its down's rows prefetched
-    (2, 8, 32, 256, 128, "int8", 1),
-    (7, 8, 32, 256, 128, "bf16", 1),      # sorted path, one-program alignment
-    (64, 8, 32, 256, 128, "int8", 2),
-    (64, 8, 32, 256, 128, "bf16", 0),     # PDL without the prefetch
-    (300, 4, 8, 256, 128, "int8", 1),     # two-launch alignment (not PDL) before PDL GEMMs
+@pytest.mark.parametrize("t,k,s,h,i,dtype", [
+    (1, 8, 32, 256, 128, "bf16"),      # direct path
+    (2, 8, 32, 256, 128, "int8"),
+    (7, 8, 32, 256, 128, "bf16"),      # sorted path, one-program alignment
+    (64, 8, 32, 256, 128, "int8"),
+    (300, 4, 8, 256, 128, "int8"),     # two-launch alignment (not PDL) before PDL GEMMs
 ])
-def test_pdl_is_bit_identical_eager_and_in_a_graph(t, k, s, h, i, dtype, pf_tiles):
-    """fused_moe with programmatic dependent launch (each kernel may start while the previous one
-    finishes; the down kernel prefetches its weights before it waits) gives the plain launches'
-    output bit for bit: eagerly, and as three chained layers captured in a CUDA graph and replayed
-    with new inputs (each layer's first kernel overlaps the previous layer's last)."""
+def test_pdl_is_bit_identical_eager_and_in_a_graph(t, k, s, h, i, dtype):
+    """fused_moe with programmatic dependent launch on both paths (each kernel may start while the
+    previous one finishes) gives the plain launches' output bit for bit: eagerly, and as three
+    chained layers captured in a CUDA graph and replayed with new inputs (each layer's first
+    kernel overlaps the previous layer's last)."""
     from kt.gpu_ops import moe
 
     if not moe.pdl_supported(torch.cuda.current_device()):
@@ -422,7 +429,7 @@ def test_pdl_is_bit_identical_eager_and_in_a_graph(t, k, s, h, i, dtype, pf_tile
     static = inputs(1)
     with moe._forced_pdl(False):
         want = [layers(*inputs(seed)) for seed in (1, 2, 3)]
-    with moe._forced_pdl(True, pf_tiles):
+    with moe._forced_pdl(True):
         assert torch.equal(layers(*static), want[0]), "eager PDL differs from plain launches"
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
