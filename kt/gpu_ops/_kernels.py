@@ -23,11 +23,6 @@ the interpreter keeps bf16 as raw bits and a bf16 tl.dot there is silently wrong
 import triton
 import triton.language as tl
 
-try:  # Triton >= 3.4 (the GPU machine has 3.6): grid dependency control for programmatic dependent launch
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - moe.pdl_supported() is False then, so PDL is never set
-    gdc_launch_dependents = gdc_wait = None
-
 
 @triton.jit
 def _cast(v, CT: tl.constexpr, UPCAST: tl.constexpr):
@@ -39,17 +34,6 @@ def _cast(v, CT: tl.constexpr, UPCAST: tl.constexpr):
         return v.to(tl.float16)
     else:
         return v.to(tl.float32)
-
-
-@triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    """PDL (the kernel was launched with programmatic dependent launch, so it may start while the
-    previous kernel on the stream still runs): wait until that kernel has finished and its writes
-    are visible, then let the next kernel start. Every kernel of a PDL chain calls this first,
-    before any load or store, so that a chain computes exactly what plain launches compute."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -247,7 +231,7 @@ def gate_up_kernel(
     stride_hm, stride_hi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
-    UPCAST: tl.constexpr, A8: tl.constexpr, SORTED_H: tl.constexpr, PDL: tl.constexpr = False,
+    UPCAST: tl.constexpr, A8: tl.constexpr, SORTED_H: tl.constexpr,
 ):
     """h[n, :] = silu(gate_s x_t) * (up_s x_t) for every token-slot n = t*K + k routed to slot s.
 
@@ -259,9 +243,7 @@ def gate_up_kernel(
     xs [T, 2] fp32, and the products run on int8 tensor cores (_gate_up_acc_a8); xs is not read
     otherwise. SORTED_H: h [P, I] in the sorted order instead (row r = sorted position r, padding rows
     left unwritten), so the down GEMM reads whole row blocks (down_kernel's SORTED_H).
-    PDL: launched with programmatic dependent launch (_pdl_start).
     """
-    _pdl_start(PDL)
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(I, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
@@ -305,7 +287,7 @@ def down_kernel(
     stride_ym, stride_yh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
-    UPCAST: tl.constexpr, SORTED_H: tl.constexpr, TMA_H: tl.constexpr, PDL: tl.constexpr = False,
+    UPCAST: tl.constexpr, SORTED_H: tl.constexpr, TMA_H: tl.constexpr,
 ):
     """y[n, :] = topk_w[n] * (w2_s @ h[n, :]) summed in fp32, stored in y's dtype (fp32, or bf16
     for a bf16 output), for every token-slot n routed to slot s.
@@ -318,9 +300,7 @@ def down_kernel(
     SORTED_H: h is [P, I] in the sorted order (gate_up_kernel's SORTED_H): a tile's rows are one
     contiguous block, read through h_desc (TMA_H: a TMA descriptor of h, [BLOCK_M, BLOCK_K] boxes) or
     pointers. H200, qwen3 int8 T=4096: 98.4 -> 88.2 us with TMA_H (benchmarks/gpu_sorted_a_probe.py).
-    PDL: launched with programmatic dependent launch (_pdl_start).
     """
-    _pdl_start(PDL)
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(H, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
@@ -365,7 +345,7 @@ def combine_kernel(
     y_ptr, slot_ptr, out_ptr,
     H,
     stride_ym, stride_yh, stride_ot, stride_oh,
-    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+    TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """out[t, :] = sum over k with slot[t*K + k] >= 0 of y[t*K + k, :], summed in fp32 in k order.
 
@@ -373,9 +353,8 @@ def combine_kernel(
     its own dtype. Every element of out is written (zeros for a token with no GPU expert), and the sum
     order is fixed, so the result is deterministic. The token's K slots are read as one vector (KP =
     next power of two >= K) and the k loop is unrolled, so the K row loads go out together instead of
-    each behind its own slot load. PDL: as gate_up_kernel.
+    each behind its own slot load.
     """
-    _pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs < H
@@ -546,11 +525,10 @@ def slot_place_kernel(slot_ptr, hist_ptr, block_slot_ptr, num_padded_ptr, sorted
 @triton.jit
 def align_small_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, cursor_ptr, block_slot_ptr, num_padded_ptr,
                        sorted_ids_ptr, N, E, S, P, SP2: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     """The three alignment steps in one program (one launch, for small N, e.g. decode), separated by
     barriers; also zeroes counts itself. Flags and counters written by atomics are read back with
-    volatile loads. PDL: as gate_up_kernel."""
-    _pdl_start(PDL)
+    volatile loads."""
     offs_s = tl.arange(0, SP2)
     tl.store(counts_ptr + offs_s, tl.zeros((SP2,), tl.int32))
     tl.debug_barrier()
@@ -580,14 +558,13 @@ def gate_up_scan_kernel(
     stride_se, stride_sn,
     stride_hm, stride_hi,
     NP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+    INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """h[n, :] = silu(gate_s x_t) * (up_s x_t) for the token-slots n = t*K + k routed to slot
     s = program_id(0); program_id(1) picks BLOCK_N columns. NP >= N (a power of two >= 16): all ids are
     read at once and the slot's rows form one masked [NP, BLOCK_K] tile, so each weight tile is read
     once however many tokens share the slot. A program whose slot has no token-slot does nothing.
-    Shapes and dtypes as gate_up_kernel; ids [N] int, e2s [E] int32. PDL: as gate_up_kernel."""
-    _pdl_start(PDL)
+    Shapes and dtypes as gate_up_kernel; ids [N] int, e2s [E] int32."""
     slot = tl.program_id(0)
     offs_p = tl.arange(0, NP)
     p_in = offs_p < N
@@ -620,7 +597,7 @@ def gate_up_pairs_kernel(
     stride_se, stride_sn,
     stride_hm, stride_hi,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+    INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """h[n, cols] = silu(gate_s x_t) * (up_s x_t) for token-slot n = program_id(0) (if on the GPU) and
     BLOCK_N columns picked by program_id(1), as a GEMV: any BLOCK_N (no tensor-core minimum), so a
@@ -628,8 +605,7 @@ def gate_up_pairs_kernel(
     its rows again (from L2: their programs run side by side). Products in fp32 of the values the
     compute dtype gives (exact for bf16/int8). STAGES > 1 pipelines the k loop (cp.async into
     shared memory, STAGES - 1 steps of weights in flight ahead of the sums): Triton pipelines a
-    loop without tl.dot only when asked. PDL: as gate_up_kernel."""
-    _pdl_start(PDL)
+    loop without tl.dot only when asked."""
     n = tl.program_id(0).to(tl.int64)
     e = tl.load(ids_ptr + n).to(tl.int32)
     e_ok = (e >= 0) & (e < E)
@@ -670,7 +646,7 @@ def down_tokens_kernel(
     stride_se, stride_sn,
     stride_ot, stride_oh,
     TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    INT8_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+    INT8_W: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[t, cols] = sum over k (in order) with a GPU slot s of topk_w[t, k] * (w2_s @ h[t*K + k])[cols]
     for t = program_id(0), cols = BLOCK_N columns picked by program_id(1); fp32 sums, out in its dtype
@@ -680,8 +656,7 @@ def down_tokens_kernel(
     through its reduction loop.
     h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only). Products are formed in fp32 from the exact h
     and weight values (bf16 x bf16 products are exact in fp32). STAGES pipelines the k loop as in
-    gate_up_pairs_kernel. PDL: as gate_up_kernel."""
-    _pdl_start(PDL)
+    gate_up_pairs_kernel."""
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H

@@ -48,14 +48,6 @@ _ACT_QUANT_ELEMS = 4096
 _ACT_QUANT_WARPS = 4
 _ACT_QUANT_ROW_MAX = 8192
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
-# Programmatic dependent launch (Hopper and later): each kernel of a call is launched so that it may
-# start while the previous one finishes, and waits (griddepcontrol.wait) before its first load. None:
-# the env KT_GPU_PDL ("1": both paths, "0": none), else the direct path only. H200, CUDA-graph replay,
-# min us plain -> PDL (benchmarks/results/gpu_pdl_probe_s17_run1.json): direct path qwen3 bf16 T=1
-# 17.4 -> 16.5, int8 T=1 16.1 -> 15.6, int8 T=2 19.7 -> 19.1, mixtral int8 T=1 66.2 -> 64.9 (bf16
-# 94.5 -> 95.8); sorted path mixed: qwen3 bf16 T=7 43.7 -> 42.5 but int8 T=7 37.9 -> 38.9 and
-# mixtral int8 (a8) T=7 / T=64 197 -> 239 / 236 -> 285 (not understood).
-_PDL = None
 # h between the GEMMs in sorted order (row blocks read by TMA) when the down's weights come by TMA;
 # else by token-slot (gathered rows). None: by the config; tests force either (_forced_sorted_h).
 _SORTED_H = None
@@ -92,40 +84,6 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@lru_cache(maxsize=16)
-def pdl_supported(index: int) -> bool:
-    """Whether kernels on CUDA device ``index`` can be launched with programmatic dependent launch:
-    compute capability 9.0 or later and a Triton with grid dependency control (3.4+)."""
-    return (index >= 0 and torch.cuda.get_device_capability(index)[0] >= 9
-            and _kernels().gdc_wait is not None)
-
-
-def _pdl_for(x, direct: bool) -> bool:
-    """Whether fused_moe launches its kernels on x's device with programmatic dependent launch
-    (direct: the direct path's two launches, else the sorted path's)."""
-    import os
-
-    if x.device.type != "cuda" or kernels_interpreted():
-        return False
-    on = _PDL
-    if on is None:
-        env = os.environ.get("KT_GPU_PDL", "").strip()
-        on = direct if env == "" else env not in ("0", "false", "no", "off")
-    return bool(on) and pdl_supported(_dev_index(x.device))
-
-
-def _pdl_kw(pdl: bool) -> dict:
-    # (nothing is passed without PDL: the kernels' PDL defaults to False, and the interpreter
-    # never sees launch_pdl)
-    return {"PDL": True, "launch_pdl": True} if pdl else {}
-
-
-def _forced_pdl(on: bool):
-    """fused_moe launches with programmatic dependent launch on both paths (True, where supported) or
-    on neither, within the block."""
-    return _overriding(_PDL=on)
-
-
 def kernels_interpreted() -> bool:
     """True if the kernels run under Triton's interpreter (TRITON_INTERPRET=1 at their first use)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -133,8 +91,7 @@ def kernels_interpreted() -> bool:
     return isinstance(_kernels().gate_up_kernel, InterpretedFunction)
 
 
-def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slots: int, block_m: int,
-                  pdl: bool = False):
+def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slots: int, block_m: int):
     """Sort token-slots by expert slot into blocks of block_m rows, on the device, no host sync.
 
     topk_ids [T, K] int; expert_to_slot [E] int32; S = num_slots.
@@ -147,7 +104,6 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     up to 64 slots two launches without atomics, rows in token order inside each slot; beyond, four
     launches with atomics (rows in no fixed order inside a slot). The order changes no result: a
     row's dot products do not depend on the other rows of its tile.
-    pdl: the one-program path is launched with programmatic dependent launch (the others never are).
     """
     kern = _kernels()
     n = topk_ids.numel()
@@ -167,7 +123,7 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
         scratch = torch.empty(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor
         kern.align_small_kernel[(1,)](ids, e2s, slot, scratch[:sp2], scratch[sp2:], block_slot, num_padded,
                                       sorted_ids, n, e2s.numel(), s, p, SP2=sp2, BLOCK_M=block_m, BLOCK=1024,
-                                      CHUNK=chunk, FILL=_FILL, **_pdl_kw(pdl))
+                                      CHUNK=chunk, FILL=_FILL)
     elif sp2 <= _ALIGN_TWO_LAUNCH_MAX_SLOTS:
         # Each program takes nsub sub-chunks of `sub` token-slots, each against all slots at once
         # (one-hot tiles of 4096 elements); nsub grows with N up to 4 (so 32-128 programs up to
@@ -327,25 +283,22 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if s == 0 or inter == 0 or k == 0:
         return out.zero_()
     cdt = _compute_dtype(x.dtype, w13.dtype)
-    pdl = _pdl_for(x, isinstance(config, DirectConfig))
     if isinstance(config, DirectConfig):
         ids = topk_ids.contiguous()
         e2s = expert_to_slot.to(torch.int32)
-        hbuf = direct_gate_up(x, w13, w13_scale, ids, e2s, config, cdt, pdl)
-        direct_down(hbuf, w2, w2_scale, topk_weights, ids, e2s, out, config, pdl)
+        hbuf = direct_gate_up(x, w13, w13_scale, ids, e2s, config, cdt)
+        direct_down(hbuf, w2, w2_scale, topk_weights, ids, e2s, out, config)
         return out
 
     align = config.align_m
-    slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s, align,
-                                                               pdl)
+    slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s, align)
     programs = _INTERPRETER_PROGRAMS if interp else _PROGRAMS_PER_SM * _num_sms(_dev_index(x.device))
     dcfg = config.for_down()
     sh = sorted_h_for(dcfg)
-    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align, sh,
-                   pdl)
+    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align, sh)
     y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, dcfg, programs,
-             y_dtype_for(out.dtype), align, sh, pdl)
-    combine(y, slot32, out, pdl=pdl)
+             y_dtype_for(out.dtype), align, sh)
+    combine(y, slot32, out)
     return out
 
 
@@ -426,11 +379,10 @@ def _align_of(config, align_m):
 
 
 def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config, compute_dtype, programs,
-            align_m=None, sorted_h=False, pdl=False):
+            align_m=None, sorted_h=False):
     """h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left unwritten).
     align_m: the block size align_by_slot ran with (default config.block_m; a multiple of it).
-    sorted_h: h [P, I] in sorted_ids' order instead (padding rows unwritten), for ``down(sorted_h=True)``.
-    pdl: launched with programmatic dependent launch (not with A8: act_quant2 is launched plainly)."""
+    sorted_h: h [P, I] in sorted_ids' order instead (padding rows unwritten), for ``down(sorted_h=True)``."""
     kern = _kernels()
     t = x.shape[0]
     n = t * top_k
@@ -457,7 +409,7 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype],
         UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, num_warps=config.num_warps,
-        num_stages=config.num_stages, **_pdl_kw(pdl))
+        num_stages=config.num_stages)
     return hbuf
 
 
@@ -480,12 +432,11 @@ def act_quant2(x, elems: int = _ACT_QUANT_ELEMS, num_warps: int = _ACT_QUANT_WAR
 
 
 def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs,
-         y_dtype=torch.float32, align_m=None, sorted_h=False, pdl=False):
+         y_dtype=torch.float32, align_m=None, sorted_h=False):
     """y [N, H] (y_dtype: fp32, or bf16 to halve the combine's reads) = topk_weight * (w2 @ h),
     summed in fp32, per GPU token-slot (other rows left unwritten).
     config: the down kernel's own (MoEConfig.for_down()); align_m as for gate_up; sorted_h: hbuf is
-    gate_up(sorted_h=True)'s [P, I] (its row blocks are read by TMA where the config's weights are).
-    pdl: launched with programmatic dependent launch."""
+    gate_up(sorted_h=True)'s [P, I] (its row blocks are read by TMA where the config's weights are)."""
     kern = _kernels()
     n = topk_weights.numel()
     inter = hbuf.shape[1]
@@ -506,11 +457,11 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype],
         UPCAST=kernels_interpreted(), SORTED_H=sorted_h, TMA_H=tma_h, num_warps=config.num_warps,
-        num_stages=config.num_stages, **_pdl_kw(pdl))
+        num_stages=config.num_stages)
     return y
 
 
-def combine(y, slot32, out, block_h: int = 1024, num_warps: int = 4, pdl: bool = False):
+def combine(y, slot32, out, block_h: int = 1024, num_warps: int = 4):
     """out [T, H] = sum over k of y[t*K + k] where slot32[t*K + k] >= 0 (fp32, fixed order). A
     program takes one token x ``block_h`` columns (capped at H's next power of two). (H200, qwen3
     T=4096 with 25 % of the token-slots on the GPU: 19.3-19.5 us for 50 MB, 61 % of HBM; no launch
@@ -522,7 +473,7 @@ def combine(y, slot32, out, block_h: int = 1024, num_warps: int = 4, pdl: bool =
     block_h = min(block_h, max(16, _np2(h)))
     kern.combine_kernel[(t, -(-h // block_h))](
         y, slot32, out, h, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=k, KP=_np2k(k), BLOCK_H=block_h, num_warps=num_warps, **_pdl_kw(pdl))
+        TOP_K=k, KP=_np2k(k), BLOCK_H=block_h, num_warps=num_warps)
 
 
 def _np2k(k: int) -> int:
@@ -534,7 +485,7 @@ def _np2(n: int) -> int:
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
-def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype, pdl=False):
+def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype):
     """Direct path: h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left
     unwritten). config.gate_up "scan": one program per (slot, column block), each scanning all N ids
     (a tensor-core tile of the slot's rows); "pairs": one GEMV program per (token-slot, column block)."""
@@ -556,7 +507,7 @@ def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype, pdl=
             *s13_strides, hbuf.stride(0), hbuf.stride(1),
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
             INT8_W=int8w, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
-            num_warps=config.num_warps, num_stages=config.num_stages, **_pdl_kw(pdl))
+            num_warps=config.num_warps, num_stages=config.num_stages)
         return hbuf
     kern.gate_up_scan_kernel[(s, -(-inter // config.block_n))](
         xc, w13, s13, hbuf, topk_ids, e2s,
@@ -565,14 +516,13 @@ def direct_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype, pdl=
         *s13_strides, hbuf.stride(0), hbuf.stride(1),
         NP=_np2(n), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         INT8_W=int8w, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
-        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl_kw(pdl))
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return hbuf
 
 
-def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config, pdl=False):
+def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
     """Direct path: out [T, H] = sum over k of topk_weight * (w2 @ h) over the token's GPU experts, in k
-    order (fp32); zeros for a token with no GPU expert. One program per (token, column block).
-    pdl: launched with programmatic dependent launch."""
+    order (fp32); zeros for a token with no GPU expert. One program per (token, column block)."""
     kern = _kernels()
     t, top_k = topk_ids.shape
     s, hid, inter = w2.shape
@@ -586,6 +536,5 @@ def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config, pd
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         *s2_strides, out.stride(0), out.stride(1),
         TOP_K=top_k, KP=_np2k(top_k), BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
-        STAGES=config.down_num_stages, INT8_W=int8w, UPCAST=kernels_interpreted(), num_warps=config.down_num_warps,
-        **_pdl_kw(pdl))
+        STAGES=config.down_num_stages, INT8_W=int8w, UPCAST=kernels_interpreted(), num_warps=config.down_num_warps)
     return out
