@@ -443,12 +443,6 @@ def main(argv=None):
                 for L in tl:
                     L.tail_experts, L.tail_parts = tail, parts
                 vars_[name] = tl
-            # GEMM output rows not padded off multiples of 2 KiB (moe._out_cols; padded since
-            # session 17)
-            nopad = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
-            for L in nopad:
-                L._pad_rows = False
-            vars_["nopad"] = nopad
             if a.variant_names:
                 keep = set(a.variant_names.split(",")) | {"default"}
                 vars_ = {n: v for n, v in vars_.items() if n in keep}

@@ -314,8 +314,6 @@ class CPUMoE:
         self.tail_experts = None
         self.tail_parts = 4
         self.watchdog_s = DEFAULT_WATCHDOG_S
-        # GEMM output rows padded off multiples of 2 KiB (_out_cols); False for A/B measurements
-        self._pad_rows = True
         self._all_cpu = np.ones(E, np.uint8)
         self._prof: np.ndarray | None = None  # set by profile(): [threads, phases, 2] cycles
         self._wdesc = self._weight_desc()
@@ -459,7 +457,7 @@ class CPUMoE:
         return d
 
     def _scratch_desc(self, pool: CpuPool, rows_cap: int, tok_cap: int, K: int, act_dtype) -> np.ndarray:
-        key = (id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str, self._pad_rows)
+        key = (id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str)
         d = self._tmpl.get(key)
         if d is not None:
             return d
@@ -471,8 +469,6 @@ class CPUMoE:
         n2 = self.w2.n_pad
         nb13 = n13 // BLOCK_N
         nb2 = n2 // BLOCK_N
-        # rows of the GEMM outputs (columns past n13 / n2 never written nor read)
-        c13, c2 = (_out_cols(n13), _out_cols(n2)) if self._pad_rows else (n13, n2)
         hacc = -(-max(self.hidden, self.intermediate) // 16) * 16 + 16
         bufs = {
             drv.A_POS: pool.scratch("moe.pos", tok_cap * K, np.int32).reshape(tok_cap, K),
@@ -483,10 +479,10 @@ class CPUMoE:
             drv.A_XG: pool.scratch("moe.xg", tok_cap * R * hp, act_dtype).reshape(tok_cap * R, hp),
             drv.A_XS: pool.scratch("moe.xs", tok_cap * R, np.float32),
             drv.A_RSLOT: pool.scratch("moe.rslot", rows_cap, np.int32),
-            drv.A_GU: pool.scratch("moe.gu", rows_cap * c13, np.float32).reshape(rows_cap, c13),
+            drv.A_GU: pool.scratch("moe.gu", rows_cap * n13, np.float32).reshape(rows_cap, n13),
             drv.A_HQ: pool.scratch("moe.hq", rows_cap * ip, act_dtype).reshape(rows_cap, ip),
             drv.A_HS: pool.scratch("moe.hs", rows_cap, np.float32),
-            drv.A_Y: pool.scratch("moe.y", rows_cap * c2, np.float32).reshape(rows_cap, c2),
+            drv.A_Y: pool.scratch("moe.y", rows_cap * n2, np.float32).reshape(rows_cap, n2),
             drv.A_ACC: pool.scratch("moe.acc", pool.num_threads * hacc,
                                     np.float32).reshape(pool.num_threads, hacc),
             drv.A_DEP: pool.scratch("moe.dep", E * drv.DEP_STRIDE, np.int64),
@@ -495,9 +491,9 @@ class CPUMoE:
         # and their scales, a whole-expert task's gate+up outputs
         nth = pool.num_threads
         xb = hp * np.dtype(act_dtype).itemsize
-        gch, gus = _call_rows(xb, c13)
+        gch, gus = _call_rows(xb, n13)
         for slot, name, nbytes in ((drv.A_XGS, "moe.xgs", gch * xb), (drv.A_XSS, "moe.xss", gch * 4),
-                                   (drv.A_GUS, "moe.gus", max(gus * c13 * 4, 64))):
+                                   (drv.A_GUS, "moe.gus", max(gus * n13 * 4, 64))):
             nbytes = -(-nbytes // 64) * 64
             bufs[slot] = pool.scratch(name, nth * nbytes, np.int8).reshape(nth, nbytes)
         d = self._wdesc.copy()
@@ -509,8 +505,7 @@ class CPUMoE:
             self._tmpl.clear()
         self._tmpl[key] = d
         # the scratch templates may have bumped the version while allocating: key on the final one
-        self._tmpl[(id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str,
-                    self._pad_rows)] = d
+        self._tmpl[(id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str)] = d
         return d
 
     # -- calls
@@ -713,15 +708,6 @@ def tsc_hz() -> float:
         c1, t1 = drv.read_cycles(), time.perf_counter()
         _TSC_HZ.append((c1 - c0) / (t1 - t0))
     return _TSC_HZ[0]
-
-
-def _out_cols(n: int) -> int:
-    """Columns of an fp32 workspace row the GEMM kernels write n of (in 32x32 panels, 16 rows per
-    tile store): n, plus one cache line when a row is a multiple of 2 KiB. Rows 4 or 8 KiB apart put
-    a panel's 16 rows into the same L1 sets; padded by a line, the one-core AMX INT8 down GEMM
-    (qwen3 N=2048, 8 KiB rows) ran 1.20-1.23x faster at M=32-512 and the gate+up (6 KiB rows)
-    1.04-1.09x (device, session 17, benchmarks/amx_out_stride_probe.py)."""
-    return n + 16 if (4 * n) % 2048 == 0 else n
 
 
 def _call_rows(xbytes: int, n13: int) -> tuple[int, int]:

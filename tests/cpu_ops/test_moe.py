@@ -624,32 +624,3 @@ def test_plan_tasks_cover_every_expert_once():
         assert sorted(order[n_act - len(split):n_act]) == split, what
         if tailp > 1 and nb13 > 4 and n_act >= 2:
             assert len(split) == min(tail, n_act // 2), what  # room in tasks13 in these cases
-
-
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_padded_output_rows_are_identical(scheme, pool):
-    """Gate+up and down outputs whose rows are a multiple of 2 KiB (here 2I = 512 and H = 512
-    fp32) go to workspace rows one cache line longer (moe._out_cols); the columns past N are
-    never written nor read, so the output equals the unpadded layout's bit for bit, in decode and
-    in prefill, with the registry's kernels and with the scalar ones."""
-    from kt.cpu_ops import moe as moe_mod
-
-    assert moe_mod._out_cols(512) == 528 and moe_mod._out_cols(2048) == 2064
-    assert moe_mod._out_cols(1408) == 1408 and moe_mod._out_cols(200) == 200
-    E, H, I, K = 8, 512, 256, 3
-    rng = np.random.default_rng(31)
-    best = dict(BEST)
-    for kind in ("double", best.get(scheme)):
-        if kind is None:
-            continue
-        m = layer(scheme, kind, E=E, H=H, I=I, pool=pool)[0]
-        for T in (1, 40):
-            x = rng.standard_normal((T, H), dtype=np.float32)
-            ids, w = routing(rng, T, E, K)
-            outs = {}
-            for pad in (True, False):
-                m._pad_rows = pad
-                outs[pad] = m(x, ids, w)
-            m._pad_rows = True
-            assert np.array_equal(outs[True], outs[False]), (scheme, kind, T)
-            check_tight(m, x, ids, w, outs[True], what=f"{scheme} {kind} T={T}", whole=1e-3)
