@@ -16,12 +16,12 @@ from __future__ import annotations
 import mmap
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _rounds import amx_int8_peak, interleaved_rounds  # noqa: E402
 from kt import reference as R  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
 from kt.cpu_ops.packing import pack  # noqa: E402
@@ -66,21 +66,7 @@ def main():
                 data[...] = p.data
             cases[(kind, c)] = (lambda data=data, out=out:
                                 K.gemm_int8(xq, xs, data, p.scale, p.wsum, out, 0, p.num_blocks))
-    for f in cases.values():
-        f()
-    res = {k: [] for k in cases}
-    peaks = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        ops = K.peak_int8(200000)
-        peaks.append(ops / (time.perf_counter() - t0) / 1e12)
-        for k, f in cases.items():
-            best = 1e9
-            for _ in range(5):
-                t0 = time.perf_counter()
-                f()
-                best = min(best, time.perf_counter() - t0)
-            res[k].append(best)
+    res, peaks = interleaved_rounds(cases, 5, lambda: amx_int8_peak(K))
     pk = max(peaks)
     for k, v in res.items():
         tops = 2 * m * n * d / min(v) / 1e12

@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _results import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _rounds import amx_int8_peak, interleaved_rounds  # noqa: E402
 from kt import reference as R  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
 from kt.cpu_ops.packing import pack  # noqa: E402
@@ -45,22 +45,8 @@ def main():
         "int4_flush": lambda: K.gemm_int4_blocked(xq, xs, p4.data, p4.scale, 64, out, 0, p4.num_blocks,
                                                   mc, 512, True, True),
     }
-    for f in calls.values():
-        f()
     K.peak_int8(1000)
-    times = {k: [] for k in calls}
-    peaks = []
-    for _ in range(a.rounds):
-        t0 = time.perf_counter()
-        ops = K.peak_int8(200000)
-        peaks.append(ops / (time.perf_counter() - t0) / 1e12)
-        for k, f in calls.items():
-            best = 1e9
-            for _ in range(5):
-                t0 = time.perf_counter()
-                f()
-                best = min(best, time.perf_counter() - t0)
-            times[k].append(best)
+    times, peaks = interleaved_rounds(calls, a.rounds, lambda: amx_int8_peak(K))
     peak = max(peaks)
     res = dict(shape=[m, n, d], peak_int8_tops=peak, peaks=peaks, rows=[])
     for k, ts in times.items():

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _results import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _rounds import amx_int8_peak, interleaved_rounds  # noqa: E402
 from kt import reference as R  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
 from kt.cpu_ops.packing import pack  # noqa: E402
@@ -67,22 +67,8 @@ def main():
                     cases[("pipe", 512, d, 16 * nb, mc, pfw)] = (
                         lambda xq=xq, xs=xs, p=p, out=out, nb=nb, mc=mc, pfw=pfw:
                         K.gemm_int8_pipe(xq, xs, p.data, p.scale, out, 0, nb, mc, 0, 2, pfw))
-    for f in cases.values():
-        f()
     K.peak_int8(1000)
-    times = {k: [] for k in cases}
-    peaks = []
-    for _ in range(a.rounds):
-        t0 = time.perf_counter()
-        ops = K.peak_int8(200000)
-        peaks.append(ops / (time.perf_counter() - t0) / 1e12)
-        for k, f in cases.items():
-            best = 1e9
-            for _ in range(5):
-                t0 = time.perf_counter()
-                f()
-                best = min(best, time.perf_counter() - t0)
-            times[k].append(best)
+    times, peaks = interleaved_rounds(cases, a.rounds, lambda: amx_int8_peak(K))
     peak = max(peaks)
     rows = []
     for (kind, m, d, n, mc, pfw), ts in times.items():

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _results import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _rounds import interleaved_rounds  # noqa: E402
 from kt import reference as R  # noqa: E402
 from kt.cpu_ops import _align, isa  # noqa: E402
 from kt.cpu_ops.packing import pack  # noqa: E402
@@ -49,17 +49,7 @@ def main():
                 out = _align.empty((m, n + pad), np.float32)[:, :n]
                 cases[(shape, m, pad)] = (lambda xq=xq, xs=xs, p=p, out=out:
                                           K.gemm_int8(xq, xs, p.data, p.scale, p.wsum, out, 0, p.num_blocks))
-    for f in cases.values():
-        f()
-    times = {k: [] for k in cases}
-    for _ in range(a.rounds):
-        for k, f in cases.items():
-            best = 1e9
-            for _ in range(5):
-                t0 = time.perf_counter()
-                f()
-                best = min(best, time.perf_counter() - t0)
-            times[k].append(best)
+    times, _ = interleaved_rounds(cases, a.rounds)
     rows = []
     for (shape, m, pad), ts in times.items():
         n, d = SHAPES[shape]
