@@ -166,6 +166,30 @@ def _peak_fma256(n, seed):
     return out[0], n * 12 * 8 * 2
 
 
+def all_thread_bandwidth(threads: int, gib: float = 4.0) -> float:
+    """All-thread read bandwidth: ``threads`` Python threads (nogil kernel) each read their slice
+    of a ``gib`` GiB buffer in 4 MiB pieces, 4 streams each; total bytes / wall time, best of 3
+    passes (B/s)."""
+    buf = np.ones(int(gib * (1 << 30)), np.uint8)
+    _read_bw(buf, 0, 1 << 20, 4)
+    sl = len(buf) // threads // (4 << 20) * (4 << 20)
+
+    def work(i):
+        for o in range(i * sl, (i + 1) * sl, 4 << 20):
+            _read_bw(buf, o, o + (4 << 20), 4)
+
+    best = 0.0
+    for _ in range(3):
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        best = max(best, sl * threads / (time.perf_counter() - t0))
+    return best
+
+
 def measure_bandwidth(gib: float = 1.0, piece: int = 4 << 20) -> dict:
     """Cold read bandwidth: passes over a >= 1 GiB buffer (>> L3) in ``piece``-byte calls.
 

@@ -10,7 +10,14 @@ For each shape x scheme x thread count x T, in one process:
 - per-call overhead: the pool's empty-job round trip and a T=1 call whose experts are all masked
   as GPU experts (nothing computed);
 - baselines: ``--baseline torch`` (the naive per-expert bf16 loop transformers runs, cold copies
-  too), ``--baseline kt-kernel`` (runs only where kt_kernel imports; else the reason is printed).
+  too), ``--baseline kt-kernel``: kt-kernel 0.7.2 on the same shapes, schemes and T with the largest
+  thread count, in a subprocess (``baseline_ktkernel.py --side ktkernel``: its extension driven
+  directly, its own cold copies and fresh routing), where its extension is found (``--ktk DIR``:
+  a folder holding ``kt_kernel/_kt_kernel_ext_amx.*.so`` and ``kt_kernel.libs/``, default ``.ktk``
+  or an installed kt_kernel; ``--ktk-python``: the interpreter to run it with, which must import
+  torch, numba and kt); its rows get kt's speed-up (kt's best thread count) beside them.
+- bandwidth for the floor: one and two threads (bench_gemm.measure_bandwidth), and for every larger
+  thread count asked for, that many threads reading a 4 GiB buffer (bench_gemm.all_thread_bandwidth).
 
 Writes benchmarks/results/moe.json and moe.md (or --out). This machine (2 cores, brief):
     python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --T 1,512 --threads 1,2 --baseline torch
@@ -21,10 +28,13 @@ Device (16 cores, via the device tool; kt is not installed there, so PYTHONPATH=
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,12 +98,76 @@ def time_calls(fn, layers, T, E, K, H, reps, rng, warm=2):
 
 
 def _bw_for(bw, nt):
-    """Bandwidth (B/s) for the floor: the best figure measured for at most nt threads (the
-    multi-thread figure is wall-clock and drops whenever other processes run on this machine)."""
+    """Bandwidth (B/s) for the floor with nt threads: the figure measured with nt threads for more
+    than two, else the best figure measured for at most nt threads (the multi-thread figure is
+    wall-clock and drops whenever other processes run on this machine)."""
+    if nt > 2 and f"{nt}_thread_GBps" in bw:
+        return bw[f"{nt}_thread_GBps"] * 1e9
     v = bw["1_thread_GBps"]
     if nt >= 2:
         v = max(v, bw.get("2_thread_GBps", 0.0))
     return v * 1e9
+
+
+def find_ktkernel(root=None):
+    """The folder holding kt-kernel's ``kt_kernel/`` extension: ``root`` if given, else the repo's
+    ``.ktk`` if it exists, else an installed kt_kernel's parent folder; None if none is found."""
+    if root:
+        return str(root)
+    local = Path(__file__).resolve().parent.parent / ".ktk"
+    if (local / "kt_kernel").is_dir():
+        return str(local)
+    spec = importlib.util.find_spec("kt_kernel")
+    if spec is not None and spec.submodule_search_locations:
+        return str(Path(list(spec.submodule_search_locations)[0]).parent)
+    return None
+
+
+def ktkernel_baseline(shape_name, Ts, schemes, threads, root, rows, notes, python=None, script=None,
+                      budget_s=600.0):
+    """kt-kernel on one shape in a subprocess (``baseline_ktkernel.py --side ktkernel``): appends its
+    rows (impl "kt-kernel", with kt's speed-up against its best thread count when kt's rows are
+    there) to ``rows`` and any error to ``notes``."""
+    E, K, H, I = SHAPES[shape_name]
+    script = script or str(Path(__file__).resolve().parent / "baseline_ktkernel.py")
+    repo = str(Path(__file__).resolve().parent.parent)
+    paths = [repo] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    with tempfile.TemporaryDirectory() as td:
+        cmd = [python or sys.executable, script, "--ktk", root, "--side", "ktkernel", "--threads", str(threads),
+               "--shape", f"{E},{K},{H},{I}", "--T", ",".join(map(str, Ts)), "--schemes", ",".join(schemes),
+               "--budget-s", str(budget_s), "--out", td]
+        print(f"  kt-kernel ({shape_name}, {threads} threads): {' '.join(cmd[1:])}", flush=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=2 * budget_s + 300)
+        except subprocess.TimeoutExpired:
+            notes.append(f"kt-kernel baseline ({shape_name}): no result within {2 * budget_s + 300:.0f} s")
+            return
+        path = Path(td, "ktkernel_vs_kt_ktkernel.json")
+        if not path.exists():
+            notes.append(f"kt-kernel baseline ({shape_name}) failed (exit {proc.returncode}): "
+                         f"{(proc.stderr or proc.stdout)[-600:]}")
+            return
+        res = json.loads(path.read_text())
+    for what, err in res.get("errors", {}).items():
+        notes.append(f"kt-kernel baseline ({shape_name}, {what}): {str(err).strip().splitlines()[-1][:300]}")
+    for r in res.get("rows", []):
+        kt = [x for x in rows if x["impl"] == "kt" and x["shape"] == shape_name and x["scheme"] == r["scheme"]
+              and x["T"] == r["T"]]
+        best = min(kt, key=lambda x: x["min_us"]) if kt else None
+        tmin = r["ktkernel_min_ms"] * 1e-3
+        ops = 2.0 * r["T"] * K * 3 * H * I
+        row = {"impl": "kt-kernel", "shape": shape_name, "scheme": r["scheme"],
+               "kernels": res.get("ktkernel_variant", "amx"), "threads": threads, "T": r["T"],
+               "min_us": round(tmin * 1e6, 1), "median_us": round(r["ktkernel_med_ms"] * 1e3, 1),
+               "GBps": round(best["weight_MB"] * 1e6 / tmin / 1e9, 2) if best else None,
+               "TOPS": round(ops / tmin / 1e12, 3),
+               "frac_of_floor": round(best["floor_us"] * 1e-6 / tmin, 3) if best else None,
+               "kt_speedup": round(tmin / (best["min_us"] * 1e-6), 2) if best else None}
+        rows.append(row)
+        sp = f"kt {row['kt_speedup']:.2f}x faster" if best else "no kt row"
+        print(f"    kt-kernel {r['scheme']:4s} thr={threads} T={r['T']:5d}: min {tmin * 1e3:8.2f} ms  {sp}",
+              flush=True)
 
 
 def reps_for(T):
@@ -205,17 +279,21 @@ def bench_torch(shape_name, threads_list, Ts, pool_bytes, bw, rows):
 def write_md(res, path):
     lines = ["# CPU MoE layer (kt.CPUMoE)", "",
              f"Host: {res['host']['cpu']} ({res['host']['cpus']} CPUs), variant "
-             f"{res['host']['variant']}. Measured bandwidth: 1 thread {res['bandwidth'].get('1_thread_GBps')}"
-             f" GB/s, 2 threads {res['bandwidth'].get('2_thread_GBps')} GB/s. Peaks: {res['peaks']}.",
+             f"{res['host']['variant']}. Measured bandwidth: " + ", ".join(
+                 f"{k.split('_')[0]} thread(s) {v} GB/s" for k, v in res["bandwidth"].items()
+                 if k.endswith("_thread_GBps")) + f". Peaks: {res['peaks']}.",
              f"Weights cold: copies totalling {res['pool_gb']} GB; fresh uniform routing per call.", "",
-             "| impl | shape | scheme | kernels | thr | T | min ms | median ms | GB/s | TOPS | % of floor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| impl | shape | scheme | kernels | thr | T | min ms | median ms | GB/s | TOPS | % of floor | kt speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         if r["impl"] == "kt-overhead":
             continue
+        frac = "-" if r.get("frac_of_floor") is None else f"{100 * r['frac_of_floor']:.0f}"
+        sp = "-" if r.get("kt_speedup") is None else f"{r['kt_speedup']:.2f}x"
+        gbps = "-" if r.get("GBps") is None else r["GBps"]
         lines.append(f"| {r['impl']} | {r['shape']} | {r['scheme']} | {r.get('kernels', '-')} | "
                      f"{r['threads']} | {r['T']} | {r['min_us'] / 1e3:.2f} | {r['median_us'] / 1e3:.2f} | "
-                     f"{r['GBps']} | {r['TOPS']} | {100 * r['frac_of_floor']:.0f} |")
+                     f"{gbps} | {r['TOPS']} | {frac} | {sp} |")
     lines += ["", "Per-call overhead (T=1, every expert masked as a GPU expert; pool empty-job round trip):", "",
               "| shape | scheme | thr | masked call min / median µs | pool hand-off min / median / p90 µs |",
               "|---|---|---|---|---|"]
@@ -238,9 +316,11 @@ def main(argv=None):
     ap.add_argument("--pool-gb", type=float, default=2.4)
     ap.add_argument("--baseline", action="append", default=[], choices=["torch", "kt-kernel"])
     ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--ktk", default=None, help="kt-kernel's extension folder (see --baseline kt-kernel)")
+    ap.add_argument("--ktk-python", default=None, help="the interpreter for kt-kernel's run (default: this one)")
     ap.add_argument("--out", default=str(RESULTS / "moe"))
     a = ap.parse_args(argv)
-    from bench_gemm import measure_bandwidth, measure_peaks
+    from bench_gemm import all_thread_bandwidth, measure_bandwidth, measure_peaks
 
     shapes = [s for s in a.shapes.split(",") if s]
     for s in shapes:
@@ -253,6 +333,8 @@ def main(argv=None):
     pin = {"auto": None, "on": True, "off": False}[a.pin]
     print("measuring bandwidth and peaks ...", flush=True)
     bw = measure_bandwidth(1.0)
+    for nt in sorted(set(t for t in threads if t > 2)):
+        bw[f"{nt}_thread_GBps"] = round(all_thread_bandwidth(nt) / 1e9, 2)
     peaks = measure_peaks(list(isa.runnable_variants()))
     print(f"  bandwidth {bw}\n  peaks {peaks}", flush=True)
     rows = []
@@ -263,15 +345,16 @@ def main(argv=None):
         if "torch" in a.baseline:
             bench_torch(s, threads, Ts, pool_bytes, bw, rows)
     if "kt-kernel" in a.baseline:
-        try:
-            import kt_kernel  # noqa: F401
-            notes.append("kt-kernel importable but its side-by-side run is not wired in this script; "
-                         "see ../shared/notes/kt-kernel.md for its figures.")
-        except ImportError as exc:
-            notes.append(f"--baseline kt-kernel skipped: kt_kernel is not installed here ({exc}); "
-                         "reference figures measured on the same machines are in "
-                         "../shared/notes/kt-kernel.md.")
-        print(notes[-1])
+        root = find_ktkernel(a.ktk)
+        if root is None:
+            notes.append("--baseline kt-kernel skipped: no kt-kernel extension found (pass --ktk DIR, "
+                         "see baseline_ktkernel.py); reference figures measured on the same machines "
+                         "are in ../shared/notes/kt-kernel.md.")
+            print(notes[-1])
+        else:
+            for s in shapes:
+                ktkernel_baseline(s, Ts, [sch.value for sch in schemes], max(threads), root, rows, notes,
+                                  python=a.ktk_python)
     res = {"host": {"cpu": platform.processor() or isa.detect().host.model_name,
                     "cpus": len(os.sched_getaffinity(0)), "variant": isa.cpu_variant()},
            "bandwidth": bw, "peaks": peaks, "pool_gb": a.pool_gb, "rows": rows, "notes": notes}

@@ -27,6 +27,7 @@ from numba import njit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_gemm import all_thread_bandwidth  # noqa: E402
 from bench_moe import SHAPES, _copy, build_layer, routing  # noqa: E402
 from kt.config import QuantScheme  # noqa: E402
 from kt.cpu_ops import _moe_driver as drv  # noqa: E402
@@ -229,33 +230,6 @@ def _amx_variants(scheme):
     return {"blocked": k, "no_pfw": k8, "l2d1": dist(1), "l2d3": dist(3), "l2d4": dist(4)}
 
 
-def bandwidth(threads, gib=4.0):
-    """All-thread read bandwidth: ``threads`` Python threads (nogil kernel) each read their slice
-    of a ``gib`` GiB buffer; total bytes / wall time, best of 3 passes (B/s)."""
-    import threading
-
-    from bench_gemm import _read_bw
-
-    buf = np.ones(int(gib * (1 << 30)), np.uint8)
-    _read_bw(buf, 0, 1 << 20, 4)
-    sl = len(buf) // threads // (4 << 20) * (4 << 20)
-
-    def work(i):
-        for o in range(i * sl, (i + 1) * sl, 4 << 20):
-            _read_bw(buf, o, o + (4 << 20), 4)
-
-    best = 0.0
-    for _ in range(3):
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        best = max(best, sl * threads / (time.perf_counter() - t0))
-    return best
-
-
 def _timed(f):
     t0 = time.perf_counter()
     f()
@@ -347,7 +321,7 @@ def main(argv=None):
     rows = []
     variant = isa.detect().variant
     print(f"variant {variant}, threads {a.threads}, tsc {tsc_hz() / 1e9:.2f} GHz", flush=True)
-    bw = bandwidth(a.threads)
+    bw = all_thread_bandwidth(a.threads)
     rows.append({"part": "bandwidth", "threads": a.threads, "GBps": round(bw / 1e9, 2)})
     print(f"read bandwidth, {a.threads} threads: {bw / 1e9:.1f} GB/s", flush=True)
     pool = CpuPool(a.threads)
