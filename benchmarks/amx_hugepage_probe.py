@@ -13,7 +13,6 @@ Device:  PYTHONPATH=. python3 benchmarks/amx_hugepage_probe.py
 """
 from __future__ import annotations
 
-import mmap
 import os
 import sys
 
@@ -22,24 +21,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _rounds import amx_int8_peak, interleaved_rounds  # noqa: E402
+from bench_gemm import huge_empty  # noqa: E402
 from kt import reference as R  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
 from kt.cpu_ops.packing import pack  # noqa: E402
-
-_keep = []  # the mappings behind the huge-page arrays
-
-
-def hp_empty(shape, dtype):
-    """An array in its own anonymous mapping, 2 MiB-aligned, advised to use huge pages."""
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    mm = mmap.mmap(-1, n + (4 << 20))
-    base = np.frombuffer(mm, np.uint8)
-    off = (-base.ctypes.data) % (2 << 20)
-    mm.madvise(mmap.MADV_HUGEPAGE, 0, len(mm))
-    a = base[off:off + n].view(dtype).reshape(shape)
-    a[...] = 0
-    _keep.append(mm)
-    return a
 
 
 def main():
@@ -62,7 +47,7 @@ def main():
             if kind == "plain":
                 data, out = p.data.copy(), np.empty((m, n), np.float32)
             else:
-                data, out = hp_empty(p.data.shape, p.data.dtype), hp_empty((m, n), np.float32)
+                data, out = huge_empty(p.data.shape, p.data.dtype), huge_empty((m, n), np.float32)
                 data[...] = p.data
             cases[(kind, c)] = (lambda data=data, out=out:
                                 K.gemm_int8(xq, xs, data, p.scale, p.wsum, out, 0, p.num_blocks))

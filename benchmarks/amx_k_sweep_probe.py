@@ -25,18 +25,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _results import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from _rounds import amx_int8_peak, interleaved_rounds  # noqa: E402
+from bench_gemm import huge_empty  # noqa: E402
 from kt import reference as R  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
-from kt.cpu_ops.packing import pack  # noqa: E402
+from kt.cpu_ops.packing import PackedWeight, pack  # noqa: E402
 
 N = 1536
 
 
-def _operands(rng, m, n, d):
+def _operands(rng, m, n, d, huge):
     x = rng.standard_normal((m, d), dtype=np.float32)
     w = rng.standard_normal((n, d), dtype=np.float32) / np.float32(np.sqrt(d))
     xq, xs = R.quantize_act(x)
-    return xq, xs, pack(w, "int8"), np.empty((m, n), np.float32)
+    p = pack(w, "int8")
+    if not huge:
+        return xq, xs, p, np.empty((m, n), np.float32)
+    data = huge_empty(p.data.shape, p.data.dtype)
+    data[...] = p.data
+    p = PackedWeight(p.scheme, p.n, p.d, p.n_pad, p.d_pad, p.group_size, data, p.scale, p.wsum)
+    return xq, xs, p, huge_empty((m, n), np.float32)
 
 
 def main():
@@ -46,6 +53,7 @@ def main():
     ap.add_argument("--m", default="32,128,512", help="M of the shipped call's sweep")
     ap.add_argument("--k", default="64,128,256,512,1024,2048,4096", help="K of the shipped call's sweep")
     ap.add_argument("--no-pipe", action="store_true", help="skip the gemm_int8_pipe part")
+    ap.add_argument("--huge", action="store_true", help="weights and outputs in huge pages (bench_gemm.huge_empty)")
     a = ap.parse_args()
     if "amx" not in isa.runnable_variants():
         sys.exit("needs a host that runs AMX")
@@ -55,12 +63,12 @@ def main():
     cases = {}
     for m in map(int, a.m.split(",")):
         for d in map(int, a.k.split(",")):
-            xq, xs, p, out = _operands(rng, m, N, d)
+            xq, xs, p, out = _operands(rng, m, N, d, a.huge)
             cases[("shipped", m, d, N, 0, True)] = (
                 lambda xq=xq, xs=xs, p=p, out=out:
                 K.gemm_int8(xq, xs, p.data, p.scale, p.wsum, out, 0, p.num_blocks))
     for d in () if a.no_pipe else (256, 2048):
-        xq, xs, p, out = _operands(rng, 512, N, d)
+        xq, xs, p, out = _operands(rng, 512, N, d, a.huge)
         for nb in (96, 32, 16):
             for mc in (K.default_mc(d), 64):
                 for pfw in (True, False):

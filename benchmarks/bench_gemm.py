@@ -284,13 +284,33 @@ def peak_for(scheme: QuantScheme, variant: str, peaks: dict) -> float | None:
 # ----------------------------------------------------------------------------- GEMM timing
 
 def distinct_kernels(scheme: QuantScheme, variants) -> list[str]:
-    """Registry variants of the distinct kernel pairs the runnable variants resolve to."""
-    seen = []
+    """One runnable variant per distinct (gemv, gemm) kernel pair they resolve to (on an AMX host
+    the INT8 / INT4 gemv is the VNNI one, registered above AMX's, while the gemm is AMX's: keying on
+    the gemv alone dropped the AMX gemm from the table)."""
+    seen, keep = [], []
     for v in variants:
-        r = registry.lookup("gemv", scheme, v).variant
-        if r not in seen:
-            seen.append(r)
-    return seen
+        pair = (registry.lookup("gemv", scheme, v).variant, registry.lookup("gemm", scheme, v).variant)
+        if pair not in seen:
+            seen.append(pair)
+            keep.append(pair[1] if pair[1] in variants else v)  # named after its gemm kernel
+    return keep
+
+
+def huge_empty(shape, dtype) -> np.ndarray:
+    """An array in its own anonymous mapping, 2 MiB-aligned, with transparent huge pages asked for
+    (madvise; Linux with THP in "madvise" or "always" mode): what a layer's stacked weights get, since
+    NumPy asks for huge pages on arrays from 4 MiB. A single matrix of a few MB otherwise sits in
+    4 KiB pages wherever the allocator put it; the one-core AMX GEMM at M=512 ran 1.3-1.4x slower
+    so, and differently from one allocation to the next (amx_hugepage_probe.py, session 17)."""
+    import mmap
+
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    mm = mmap.mmap(-1, n + (4 << 20))
+    base = np.frombuffer(mm, np.uint8)  # (holds the mapping for as long as the array lives)
+    off = -base.ctypes.data % (2 << 20)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE, 0, len(mm))
+    return base[off:off + n].view(dtype).reshape(shape)
 
 
 def time_case(scheme, kvariants, m, n, d, reps, rng) -> list[dict]:
@@ -301,15 +321,16 @@ def time_case(scheme, kvariants, m, n, d, reps, rng) -> list[dict]:
     copies = max(1, -(-POOL_BYTES // p0.nbytes)) if cold else 1
     # The copies live in one arena, as a stacked expert tensor does (p.expert(e) views): separate
     # small numpy allocations read ~20 % slower here (page-boundary effects), which a real
-    # weight store does not have.
-    arena = [np.empty((copies,) + a.shape, a.dtype) for a in (p0.data, p0.scale, p0.wsum)]
+    # weight store does not have. The arena and the output are in huge pages, as the layer's
+    # stacked weights and workspaces are (huge_empty; session 17: 1.3-1.4x at M=512 on AMX).
+    arena = [huge_empty((copies,) + a.shape, a.dtype) for a in (p0.data, p0.scale, p0.wsum)]
     for a, src in zip(arena, (p0.data, p0.scale, p0.wsum)):
         a[:] = src
     pool = [packing.PackedWeight(p0.scheme, p0.n, p0.d, p0.n_pad, p0.d_pad, p0.group_size,
                                  arena[0][i], arena[1][i], arena[2][i]) for i in range(copies)]
     bufs = gemm.activation_buffers(m, p0)
     gemm.prepare_activations(x, p0, bufs)
-    out = np.empty((m, p0.n_pad), np.float32)
+    out = huge_empty((m, p0.n_pad), np.float32)
     ops = {}
     for v in kvariants:
         tile = tiling.choose(m, n, d, scheme, v)
@@ -420,6 +441,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="M in {1, 32} and one shape only")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--schemes", default="int8,int4,bf16")
+    ap.add_argument("--out", default=str(RESULTS / "gemm"), help="results path without suffix (.json, .md)")
     args = ap.parse_args(argv)
     variants = [v for v in isa.runnable_variants()]
     import llvmlite.binding as llvm
@@ -434,7 +457,7 @@ def main(argv=None) -> int:
     rows = []
     shapes = SHAPES[:1] if args.quick else SHAPES
     ms = [1, 32] if args.quick else MS
-    for scheme in QuantScheme:
+    for scheme in (QuantScheme.parse(s) for s in args.schemes.split(",")):
         kv = distinct_kernels(scheme, variants)
         for n, d in shapes:
             for m in ms:
@@ -463,9 +486,10 @@ def main(argv=None) -> int:
     if not args.no_compile:
         res["compile"] = compile_times()
         print("compile", res["compile"])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gemm.json").write_text(json.dumps(res, indent=1))
-    write_md(res, RESULTS / "gemm.md")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    write_md(res, out.with_suffix(".md"))
     return 0
 
 
