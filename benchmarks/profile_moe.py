@@ -171,8 +171,9 @@ def _vector_gemm_variants(scheme, variant):
 def _amx_variants(scheme):
     """Alternative large-M kernels for ``kernels=`` (contract signatures), by name: the
     K-sliced ``gemm_*_blocked`` kernels that were the default before the pipelined ones, the
-    pipelined kernels without the output prefetch for writing (``pfw``), and INT4's per-group
-    flush kernel (``i4flush``)."""
+    pipelined kernels without the output prefetch for writing (``pfw``), the L2 prefetch of the
+    block pair d pairs ahead (``l2d<d>``, 0: none), and INT4's per-group flush kernel
+    (``i4flush``)."""
     from kt.cpu_ops import kernels_amx as KA
 
     if scheme is QuantScheme.INT8:
@@ -227,7 +228,7 @@ def _amx_variants(scheme):
                                  KA.default_mc(xq.shape[1]), max(512, group_size), True, True)
 
         return {"i4flush": k4}
-    return {"blocked": k, "no_pfw": k8, "l2d1": dist(1), "l2d3": dist(3), "l2d4": dist(4)}
+    return {"blocked": k, "no_pfw": k8, "l2d0": dist(0), "l2d1": dist(1), "l2d3": dist(3), "l2d4": dist(4)}
 
 
 def _timed(f):
