@@ -166,6 +166,17 @@ def _peak_fma256(n, seed):
     return out[0], n * 12 * 8 * 2
 
 
+def threads_wall(work, n: int) -> float:
+    """Seconds of wall time for n threads running work(0) .. work(n - 1) at once."""
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def all_thread_bandwidth(threads: int, gib: float = 4.0) -> float:
     """All-thread read bandwidth: ``threads`` Python threads (nogil kernel) each read their slice
     of a ``gib`` GiB buffer in 4 MiB pieces, 4 streams each; total bytes / wall time, best of 3
@@ -178,16 +189,7 @@ def all_thread_bandwidth(threads: int, gib: float = 4.0) -> float:
         for o in range(i * sl, (i + 1) * sl, 4 << 20):
             _read_bw(buf, o, o + (4 << 20), 4)
 
-    best = 0.0
-    for _ in range(3):
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        best = max(best, sl * threads / (time.perf_counter() - t0))
-    return best
+    return max(sl * threads / threads_wall(work, threads) for _ in range(3))
 
 
 def measure_bandwidth(gib: float = 1.0, piece: int = 4 << 20) -> dict:
@@ -222,13 +224,8 @@ def measure_bandwidth(gib: float = 1.0, piece: int = 4 << 20) -> dict:
         def work(i):
             for o in range(i * half, (i + 1) * half - piece + 1, piece):
                 got[i] += _read_bw(buf, o, o + piece, best_ns)[1]
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        best2 = max(best2, sum(got) / (time.perf_counter() - t0) / 1e9)
+        wall = threads_wall(work, 2)
+        best2 = max(best2, sum(got) / wall / 1e9)
     res["2_thread_GBps"] = round(best2, 2)
     del buf
     return res

@@ -47,7 +47,7 @@ def _mapped(p: PackedWeight, stem: Path) -> PackedWeight:
         path = stem.with_name(f"{stem.name}.{name}")
         np.ascontiguousarray(a).tofile(path)
         m = np.memmap(path, dtype=a.dtype, mode="r", shape=a.shape)
-        m.sum(dtype=np.float64) if m.dtype.kind == "f" else m.view(np.uint8).sum(dtype=np.int64)  # page cache
+        m.view(np.uint8).sum(dtype=np.int64)  # read once: the file's pages into the page cache
         arrs.append(m)
     return PackedWeight(p.scheme, p.n, p.d, p.n_pad, p.d_pad, p.group_size, *arrs)
 
