@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -243,18 +242,14 @@ def peak():
 @section("peak_all_cores")
 def peak_all_cores():
     """Every core at once (Python threads calling the nogil tile loop)."""
+    from bench_gemm import threads_wall  # (benchmarks/ is on sys.path when run as a script)
+
     K = load_kernels()
     res = {}
     nthr = len(os.sched_getaffinity(0))
     for name, fn in (("int8", K.peak_int8), ("bf16", K.peak_bf16)):
         ops = fn(PEAK_ITERS)
-        th = [threading.Thread(target=fn, args=(PEAK_ITERS,)) for _ in range(nthr)]
-        t0 = time.perf_counter()
-        for x in th:
-            x.start()
-        for x in th:
-            x.join()
-        wall = time.perf_counter() - t0
+        wall = threads_wall(lambda i, fn=fn: fn(PEAK_ITERS), nthr)
         res[name] = {"threads": nthr, "tops_all_cores": round(nthr * ops / wall / 1e12, 2)}
         print(f"{name}: {res[name]['tops_all_cores']} TOPS on {nthr} threads", flush=True)
     return res
