@@ -171,8 +171,10 @@ def _vector_gemm_variants(scheme, variant):
 def _amx_variants(scheme):
     """Alternative large-M kernels for ``kernels=`` (contract signatures), by name: the
     K-sliced ``gemm_*_blocked`` kernels that were the default before the pipelined ones, the
-    pipelined kernels without the output prefetch for writing (``pfw``), the L2 prefetch of the
-    block pair d pairs ahead (``l2d<d>``, 0: none), and INT4's per-group flush kernel
+    pipelined kernels (``gemm_*_pipe``: ``pipe`` with the settings they were the default with,
+    ``no_pfw`` without the output prefetch for writing, ``l2d<d>``: the L2 prefetch d block pairs
+    ahead, 0: none) that were the default before the staged ones, the staged kernels with other K
+    slices (``st_kc<k>``) or no output prefetch (``st_nopfw``), and INT4's per-group flush kernel
     (``i4flush``)."""
     from kt.cpu_ops import kernels_amx as KA
 
@@ -187,12 +189,19 @@ def _amx_variants(scheme):
             KA.gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
                               0, 2, False)
 
-        def dist(d):  # the L2 prefetch d block pairs ahead (the kernels use 2)
+        def dist(d):  # the pipelined kernel, L2 prefetch d block pairs ahead (it used 2)
             @njit(nogil=True)
             def kd(xq, xs, data, scale, wsum, out, nb0, nb1):
                 KA.gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
                                   0, d, True)
             return kd
+
+        def staged(kcs, pfw):  # the staged kernel (the default: kcs 16, pfw True)
+            @njit(nogil=True)
+            def ks(xq, xs, data, scale, wsum, out, nb0, nb1):
+                KA.gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
+                                    kcs, 2, pfw)
+            return ks
     elif scheme is QuantScheme.BF16:
         @njit(nogil=True)
         def k(xb, data, out, nb0, nb1):
@@ -210,15 +219,23 @@ def _amx_variants(scheme):
             KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, max((1 << 19) // (2 * xb.shape[1]) // 32 * 32,
                                                            32), 0, 1, True)
 
-        def dist(d):  # the L2 prefetch d block pairs ahead (the BF16 kernel uses 1 since session 15)
+        def dist(d):  # the pipelined kernel, L2 prefetch d pairs ahead (it used 1 from session 15)
             @njit(nogil=True)
             def kd(xb, data, out, nb0, nb1):
                 KA.gemm_bf16_pipe(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), 0, d,
                                   True)
             return kd
 
-        return {"blocked": k, "no_pfw": k8, "mc512k": k128, "l2d2": dist(2), "l2d3": dist(3),
-                "l2d4": dist(4)}
+        def staged(kcs, pfw):  # the staged kernel (the default: kcs 16, pfw True)
+            @njit(nogil=True)
+            def ks(xb, data, out, nb0, nb1):
+                KA.gemm_bf16_staged(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), kcs, 1,
+                                    pfw)
+            return ks
+
+        return {"blocked": k, "no_pfw": k8, "mc512k": k128, "pipe": dist(1), "l2d2": dist(2),
+                "l2d3": dist(3), "l2d4": dist(4), "st_kc32": staged(32, True),
+                "st_nopfw": staged(16, False)}
     else:
         # INT4: the per-group flush kernel that gemm_int4 used for every matrix before the
         # flush-free ratio kernel (and still uses for scales not of the quantiser's form)
@@ -227,8 +244,22 @@ def _amx_variants(scheme):
             KA.gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1,
                                  KA.default_mc(xq.shape[1]), max(512, group_size), True, True)
 
-        return {"i4flush": k4}
-    return {"blocked": k, "no_pfw": k8, "l2d0": dist(0), "l2d1": dist(1), "l2d3": dist(3), "l2d4": dist(4)}
+        # the whole-K pipelined ratio kernel gemm_int4 used before the staged one (sessions 9-17)
+        @njit(nogil=True)
+        def kp(xq, xs, data, scale, group_size, out, nb0, nb1):
+            nbr = max(nb1 - nb0, 0)
+            srow = np.empty(nbr * 16, np.float32)
+            rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
+            if KA._int4_ratios(scale, nb0, nb1, srow, rx):
+                KA.gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1,
+                                   KA.default_mc(xq.shape[1]), True)
+            else:
+                KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
+
+        return {"i4flush": k4, "pipe": kp}
+    return {"blocked": k, "no_pfw": k8, "pipe": dist(2), "l2d0": dist(0), "l2d1": dist(1),
+            "l2d3": dist(3), "l2d4": dist(4), "st_kc8": staged(8, True), "st_kc32": staged(32, True),
+            "st_nopfw": staged(16, False)}
 
 
 def _timed(f):

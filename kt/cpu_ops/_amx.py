@@ -26,7 +26,7 @@ from numba.extending import intrinsic, register_jitable
 
 __all__ = [
     "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
-    "tileloadd64", "tilestored64", "tdpbssd", "tdpbsud", "tdpbf16ps",
+    "tileloadd64", "tileloaddt164", "tilestored64", "tdpbssd", "tdpbsud", "tdpbf16ps",
     "row16_scale_store", "row16_scale_bits", "row16_fma", "row16_mul_store", "row16_max", "ratio_row16", "copy64",
     "unpack_int4_line", "unpack_int4_line_mul", "prefetch_l1", "prefetch_l2", "prefetch_w",
 ]
@@ -160,20 +160,32 @@ def tilezero(typingctx, tile):
     return types.none(tile), codegen
 
 
-@intrinsic(prefer_literal=True)
-def tileloadd64(typingctx, tile, ary, index, stride):
-    """Load tile ``tile`` from ``ary`` at element ``index``; rows are ``stride`` bytes apart."""
-    t = _tile(tile, "tileloadd64")
-    _check_mem(ary, index, "tileloadd64")
+def _tile_load(name: str):
+    """A tile-load intrinsic: ``name(tile, ary, index, stride)`` loads tile ``tile`` from ``ary``
+    at element ``index``, rows ``stride`` bytes apart (``llvm.x86.<name>``)."""
 
-    def codegen(context, builder, sig, args):
-        idx = context.cast(builder, args[2], sig.args[2], types.int64)
-        st = context.cast(builder, args[3], sig.args[3], types.int64)
-        p = _address(context, builder, sig.args[1], args[1], idx)
-        _call(builder, "llvm.x86.tileloadd64", [_I8, _PTR, _I64], [ir.Constant(_I8, t), p, st])
-        return context.get_dummy_value()
+    def typer(typingctx, tile, ary, index, stride):
+        t = _tile(tile, name)
+        _check_mem(ary, index, name)
 
-    return types.none(tile, ary, index, stride), codegen
+        def codegen(context, builder, sig, args):
+            idx = context.cast(builder, args[2], sig.args[2], types.int64)
+            st = context.cast(builder, args[3], sig.args[3], types.int64)
+            p = _address(context, builder, sig.args[1], args[1], idx)
+            _call(builder, f"llvm.x86.{name}", [_I8, _PTR, _I64], [ir.Constant(_I8, t), p, st])
+            return context.get_dummy_value()
+
+        return types.none(tile, ary, index, stride), codegen
+
+    typer.__name__ = name
+    return intrinsic(prefer_literal=True)(typer)
+
+
+# tileloadd64: a plain tile load. tileloaddt164: the same with the non-temporal hint (TILELOADDT1:
+# the lines need not stay in L1), for an operand that streams past while the other is reused from
+# L1 (kernels_amx: the A tiles of the staged GEMM, so the block pair's B slice stays in L1)
+tileloadd64 = _tile_load("tileloadd64")
+tileloaddt164 = _tile_load("tileloaddt164")
 
 
 @intrinsic(prefer_literal=True)

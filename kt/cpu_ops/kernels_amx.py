@@ -51,7 +51,8 @@ from ._simd import empty_line
 from ..reference import INT4_RATIO_MAX
 from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, prefetch_w, ratio_row16, require_amx,
                    row16_fma, row16_max, row16_mul_store, row16_scale_bits, row16_scale_store,
-                   set_tilecfg, tdpbf16ps, tdpbssd, tilezero, tileloadd64, tilerelease, tilestored64,
+                   set_tilecfg, tdpbf16ps, tdpbssd, tilezero, tileloadd64, tileloaddt164, tilerelease,
+                   tilestored64,
                    unpack_int4_line, unpack_int4_line_mul)
 
 AMX_MODE = require_amx()
@@ -61,7 +62,7 @@ _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8
 
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
-           "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int4_ratio", "peak_int8",
+           "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int8_staged", "gemm_bf16_staged", "gemm_int4_staged", "gemm_int4_ratio", "peak_int8",
            "peak_bf16", "default_mc"]
 
 # The contract entry points (gemv_*, gemm_*) pass their tuning as literal arguments to the
@@ -431,12 +432,189 @@ def gemm_bf16_pipe(xb, data, out, nb0, nb1, mc, pfb, l2, pfw):
     _gemm_pipe(xb, data, out, nb0, nb1, mc, pfb, l2, pfw, True, _NO_XS, _NO_XS)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _drain(out, ost, cp, cpf, st, q0, q1, bf, scale, xs):
+    """Half-rows q in [q0, q1) of the panel staged in cp (int32 [32 x 32]; row q >> 1, columns
+    16 (q & 1)..; cpf: the same buffer as fp32) -> out: the fp32 sums copied (bf), or the int32
+    sums times xs[m] * scale[so + j].
+    st: the staged panel (first row, first column, rows, two blocks, scale offset; st[0] < 0:
+    none)."""
+    pm = st[0]
+    pn = st[1]
+    for q in range(q0, min(q1, 2 * st[2])):
+        h = (q & 1) * 16
+        if h == 0 or st[3]:
+            i = q >> 1
+            oi = (pm + i) * ost + pn + h
+            if bf:
+                copy64(out, oi, cpf, i * 32 + h)
+            else:
+                row16_scale_store(out, oi, cp, i * 32 + h, scale, st[4] + h, xs[pm + i])
+
+
+@njit(nogil=True, cache=True)
+def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp, cpart, st,
+                 bf, scale, so, xs, pf0, pf1, nlines, per, pfw):
+    """Every (K slice, 32-row panel) unit of one block pair (16-output blocks at bd[o0:], bd[o1:])
+    over the M chunk [mc0, mc1) of the packed A ap, in that order; output columns n0...
+
+    K is cut into the fewest slices of at most kcs k-steps (equal up to one), so the pair's B slice
+    (kcs KiB per block) stays in L1 while the chunk's panels stream their A tiles past it with the
+    non-temporal hint; a panel's partial sums wait in cpart between slices (its own 4 KiB, 128-byte
+    rows, no cache-set conflicts). A panel's last slice stores its tiles into cp, and the next unit
+    writes them out (``_drain``, a few rows after each k-step's first two products) while its own
+    products run, so the epilogue overlaps the tile unit instead of stalling it. The panel loop is
+    software-pipelined as ``_pipe_panel``'s. per > 0: ``per`` lines per k-step of the L2 prefetch
+    of ``_pipe_pair_prefetch`` (pf0, pf1, nlines). pfw: request ownership of the output lines of
+    a panel's last slice spread over its k-steps."""
+    sa = 1024 // ap.itemsize
+    sb = 1024 // bd.itemsize
+    lw = 64 // bd.itemsize
+    cpf = cp.view(np.float32)
+    nsl = (ks + kcs - 1) // kcs
+    kc = (ks + nsl - 1) // nsl
+    pl = 0
+    for k0 in range(0, ks, kc):
+        k1 = min(k0 + kc, ks)
+        dper = (63 + k1 - k0) // (k1 - k0)
+        for mp in range(mc0, mc1, 32):
+            a0 = (mp // 16) * ks * sa
+            a1 = a0 + ks * sa
+            ci = (mp - mc0) // 32 * 1024
+            rows = min(32, m_all - mp)
+            wrows = rows if pfw and k1 == ks else 0
+            wper = (wrows + k1 - k0 - 1) // (k1 - k0)
+            wo = mp * ost + n0
+            if k0 == 0:
+                tilezero(0)
+                tilezero(1)
+                tilezero(2)
+                tilezero(3)
+            else:
+                tileloadd64(0, cpart, ci, 128)
+                tileloadd64(1, cpart, ci + 16, 128)
+                tileloadd64(2, cpart, ci + 512, 128)
+                tileloadd64(3, cpart, ci + 528, 128)
+            tileloaddt164(4, ap, a0 + k0 * sa, 64)
+            tileloadd64(6, bd, o0 + k0 * sb, 64)
+            tileloaddt164(5, ap, a1 + k0 * sa, 64)
+            tileloadd64(7, bd, o1 + k0 * sb, 64)
+            for s in range(k0, k1):
+                for _ in range(per):
+                    if pl < nlines:
+                        prefetch_l2(bd, pf0 + lw * pl)
+                    elif pl < 2 * nlines:
+                        prefetch_l2(bd, pf1 + lw * (pl - nlines))
+                    pl += 1
+                for q in range((s - k0) * wper, min((s - k0 + 1) * wper, wrows)):
+                    prefetch_w(out, wo + q * ost)
+                    if two:
+                        prefetch_w(out, wo + q * ost + 16)
+                nxt = s + 1 < k1
+                if bf:
+                    tdpbf16ps(0, 4, 6)
+                    tdpbf16ps(1, 4, 7)
+                else:
+                    tdpbssd(0, 4, 6)
+                    tdpbssd(1, 4, 7)
+                if st[0] >= 0:
+                    _drain(out, ost, cp, cpf, st, (s - k0) * dper, (s - k0 + 1) * dper, bf, scale, xs)
+                if nxt:
+                    tileloaddt164(4, ap, a0 + (s + 1) * sa, 64)
+                if bf:
+                    tdpbf16ps(2, 5, 6)
+                else:
+                    tdpbssd(2, 5, 6)
+                if nxt:
+                    tileloadd64(6, bd, o0 + (s + 1) * sb, 64)
+                if bf:
+                    tdpbf16ps(3, 5, 7)
+                else:
+                    tdpbssd(3, 5, 7)
+                if nxt:
+                    tileloaddt164(5, ap, a1 + (s + 1) * sa, 64)
+                    tileloadd64(7, bd, o1 + (s + 1) * sb, 64)
+            st[0] = -1  # drained: dper * (k1 - k0) >= 64 half-rows
+            if k1 == ks:
+                tilestored64(0, cp, 0, 128)
+                tilestored64(1, cp, 16, 128)
+                tilestored64(2, cp, 512, 128)
+                tilestored64(3, cp, 528, 128)
+                st[0] = mp
+                st[1] = n0
+                st[2] = rows
+                st[3] = 1 if two else 0
+                st[4] = so
+            else:
+                tilestored64(0, cpart, ci, 128)
+                tilestored64(1, cpart, ci + 16, 128)
+                tilestored64(2, cpart, ci + 512, 128)
+                tilestored64(3, cpart, ci + 528, 128)
+
+
+@njit(nogil=True, cache=True)
+def _staged_buffers(mc):
+    """(cp, cpart, st) of the staged kernels: the staging panel, the partial sums of an M chunk
+    of mc rows, and the staged panel's state (none yet)."""
+    st = np.empty(5, np.int64)
+    st[0] = -1
+    return empty_line(1024, np.int32), empty_line((mc // 32) * 1024, np.int32), st
+
+
+@njit(nogil=True, cache=True)
+def _gemm_staged(a, data, out, nb0, nb1, mc, kcs, l2, pfw, bf, xs, scale):
+    """The staged large-M GEMM of ``gemm_int8_staged`` (bf False) and ``gemm_bf16_staged`` (bf
+    True): M chunks of mc rows x block pairs x ``_staged_pair``; the last staged panel is
+    written out at the end."""
+    m_all = a.shape[0]
+    kel = 64 // a.itemsize
+    ks = a.shape[1] // kel
+    ost = out.strides[0] // 4
+    blk = data.shape[1] * (32 if bf else 64)
+    ap = _pack_a(a, ks, kel)
+    mpad = ap.shape[0] * 16
+    mc = min(mc, mpad)
+    cp, cpart, st = _staged_buffers(mc)
+    cfg = np.zeros(64, np.uint8)
+    _config(cfg, 16, 64)
+    for mc0 in range(0, mpad, mc):
+        mc1 = min(mc0 + mc, mpad)
+        for b in range(nb0, nb1, 2):
+            o0 = b * blk
+            two = b + 1 < nb1
+            # an odd last block pairs with itself (its second product is computed, not stored)
+            pf0, pf1, nlines, per = _pipe_pair_prefetch(b, nb0, nb1, blk, (mc1 - mc0) // 32, ks, l2)
+            _staged_pair(ap, mc0, mc1, m_all, data, o0, o0 + blk if two else o0, ks, kcs, out, ost,
+                         16 * b, two, cp, cpart, st, bf, scale, 16 * b, xs, pf0, pf1, nlines, per, pfw)
+    if st[0] >= 0:
+        _drain(out, ost, cp, cp.view(np.float32), st, 0, 64, bf, scale, xs)
+    tilerelease()
+
+
+@njit(nogil=True, cache=True)
+def gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, l2, pfw):
+    """Large-M INT8, staged (``_staged_pair``): K slices of at most kcs k-steps (16: a block pair's
+    32 KiB slice of B fits L1), mc rows per M chunk, A streamed with the non-temporal hint, each
+    panel's epilogue overlapped with the next panel's products; l2 / pfw as ``gemm_int8_pipe``.
+    Same result as ``gemv_int8``."""
+    _gemm_staged(xq, data, out, nb0, nb1, mc, kcs, l2, pfw, False, xs, scale)
+
+
+@njit(nogil=True, cache=True)
+def gemm_bf16_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw):
+    """Large-M BF16 with the staged kernel of ``gemm_int8_staged`` (tdpbf16ps, 32 k per step;
+    partial sums in fp32 between K slices, so the summation order over K is that of
+    ``gemm_bf16``'s panels)."""
+    _gemm_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw, True, _NO_XS, _NO_XS)
+
+
 @njit(nogil=True, cache=True)
 def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
-    """Large-M INT8 (same contract as ``gemv_int8``): the pipelined 2x2-tile kernel with the block
-    pair two ahead prefetched into L2 (device run 2, 16 threads, qwen3 layer: the pipelined kernel
-    16 % faster than the blocked one at T=512, 8 % at T=2048; two ahead instead of one: session 9)."""
-    gemm_int8_pipe(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 0, 2, True)
+    """Large-M INT8 (same contract as ``gemv_int8``): the staged kernel (``gemm_int8_staged``: K
+    slices of 16 k-steps, the block pair two ahead prefetched into L2, output lines prefetched for
+    writing). One core, M=512 (session 18, dev Emerald Rapids): 1.4-1.5x the pipelined
+    ``gemm_int8_pipe`` at N=1536 K=2048, 1.6x at N=2048 K=768."""
+    gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 16, 2, True)
 
 
 # ----------------------------------------------------------------------------- INT4
@@ -704,6 +882,50 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
 
 
 @njit(nogil=True, cache=True)
+def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs, pfw):
+    """``gemm_int4_ratio`` with the staged INT8 loop (``_staged_pair``, K slices of at most kcs
+    k-steps) in place of the whole-K pipelined panel: each block pair is unpacked to r_g * q once
+    per M chunk, then multiplied slice by slice. Same result as ``gemm_int4_ratio``."""
+    g = group_size
+    ks = xq.shape[1] // 64
+    ng = xq.shape[1] // g
+    lpg = g // 8                     # packed lines per group
+    lines = data.shape[1]
+    m_all = xq.shape[0]
+    ost = out.strides[0] // 4
+    ap = _pack_a(xq, ks, 64)
+    mpad = ap.shape[0] * 16
+    mc = min(mc, mpad)
+    blk = ks * 1024                  # one unpacked block: ks k-step tiles of 1 KiB
+    bs = empty_line(2 * blk, np.int8)
+    cp, cpart, st = _staged_buffers(mc)
+    cfg = np.zeros(64, np.uint8)
+    _config(cfg, 16, 64)
+    for mc0 in range(0, mpad, mc):
+        mc1 = min(mc0 + mc, mpad)
+        for b in range(nb0, nb1, 2):
+            two = b + 1 < nb1
+            for q in range(2 if two else 1):
+                lb = b + q - nb0
+                nxt = b + 2 + q
+                ro = lb * ng * 64        # this group's ratios in rx, stepped without a division
+                jg = 0
+                for j in range(lines):
+                    if nxt < nb1:
+                        prefetch_l2(data, (nxt * lines + j) * 64)
+                    unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro)
+                    jg += 1
+                    if jg == lpg:
+                        jg = 0
+                        ro += 64
+            _staged_pair(ap, mc0, mc1, m_all, bs, 0, blk if two else 0, ks, kcs, out, ost, 16 * b, two,
+                         cp, cpart, st, False, srow, (b - nb0) * 16, xs, 0, 0, 0, 0, pfw)
+    if st[0] >= 0:
+        _drain(out, ost, cp, cp.view(np.float32), st, 0, 64, False, srow, xs)
+    tilerelease()
+
+
+@njit(nogil=True, cache=True)
 def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """Large-M INT4 (same contract as ``gemv_int4``). Scales of the quantiser's form s_row * r_g
     (every matrix ``reference.quantize`` or the converter made): ``gemm_int4_ratio``, INT8 speed
@@ -714,7 +936,7 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     rx = empty_line(nbr * scale.shape[1] * 64, np.int8)
     mc = default_mc(xq.shape[1])
     if _int4_ratios(scale, nb0, nb1, srow, rx):
-        gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, True)
+        gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True)
         return
     kc = max(512, group_size)
     gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, True, True)
@@ -844,7 +1066,7 @@ def gemm_bf16(xb, data, out, nb0, nb1):
     (device run 2, qwen3 layer, 16 threads: 24 % faster than blocked at T=512, 21 % at 2048), one
     block pair ahead (INT8 keeps two): at T=2048 one ahead was 3-5 % faster on three leases of
     four (sessions 14 and 15; none in session 10), at T=512 4.6 % faster once and tied once."""
-    gemm_bf16_pipe(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 0, 1, True)
+    gemm_bf16_staged(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 16, 1, True)
 
 
 # ----------------------------------------------------------------------------- roofline

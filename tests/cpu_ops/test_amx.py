@@ -347,6 +347,8 @@ class TileUnit:
             assert 0 <= s and s + self.colsb[t] <= b.size, f"tileloadd tile {t} row {r} out of bounds"
             self.reg[t, r, : self.colsb[t]] = b[s : s + self.colsb[t]]
 
+    tileloaddt164 = tileloadd64  # the non-temporal hint changes nothing the model sees
+
     def tilestored64(self, t, ary, index, stride):
         self._check(t)
         b = self._bytes(ary)
@@ -459,7 +461,7 @@ def emulated_kernels(monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     unit = TileUnit()
-    for name in ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tilestored64",
+    for name in ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tileloaddt164", "tilestored64",
                  "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_scale_bits", "row16_fma",
                  "row16_mul_store",
                  "copy64", "unpack_int4_line", "unpack_int4_line_mul", "row16_max", "ratio_row16",
@@ -502,6 +504,28 @@ def test_emulated_kernels_match_reference(EK, op, scheme, g, m, n, d):
     assert_exact(np.zeros((m, p.n_pad - n), np.float32), out[:, n:], what="padding rows")
 
 
+def _check_staged(mod, run, whole, p, what):
+    """The staged kernel ``run(out, nb0, mc, kcs, l2, pfw)`` gives ``whole`` exactly for K slices
+    of 1, 3 and all k-steps, M chunks of 32 and 64 rows, with and without its prefetches; a block
+    range leaves the other columns untouched; (emulated) pfw asks for exactly the output lines
+    the drain writes."""
+    m = whole.shape[0]
+    nb = p.num_blocks
+    for mc, kcs, l2, pfw in ((32, 1, 2, True), (64, 3, 0, False), (64, 1000, 1, True)):
+        o = np.full(whole.shape, np.nan, np.float32)
+        if hasattr(mod, "unit"):
+            mod.unit.prefetched_w.clear()
+        run(o, 0, mc, kcs, l2, pfw)
+        assert_exact(whole, o, what=f"{what} staged mc={mc} kcs={kcs} vs gemm")
+        if hasattr(mod, "unit"):
+            want = {r * p.n_pad + 16 * b for r in range(m) for b in range(nb)} if pfw else set()
+            assert mod.unit.prefetched_w == want, what
+    part = np.full(whole.shape, np.nan, np.float32)
+    run(part, 1, 64, 2, 2, True)
+    assert np.isnan(part[:, :16]).all()
+    assert_exact(whole[:, 16:], part[:, 16:], what=f"{what} staged block range")
+
+
 def _check_blocked(mod, scheme, pf):
     """Small M chunks and K slices (partial sums cross slices and chunks) and prefetching give the
     unsliced result exactly (integer schemes) or within the fp32 summation bound (BF16)."""
@@ -524,6 +548,10 @@ def _check_blocked(mod, scheme, pf):
         mod.gemm_bf16_pipe(xb, p.data, part, 1, nb, 64, pf, 2, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="bf16 pipelined block range")
+        # the staged kernel: K slices carry the fp32 partial sums bit for bit, so any slicing
+        # sums in gemm_bf16's order
+        _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw: mod.gemm_bf16_staged(
+            xb, p.data, o, nb0, nb, mc, kcs, l2, pfw), whole, p, "bf16")
         xr, wr = ref.bf16_round(x), ref.dequantize(ref.quantize(w, "bf16"))
         bound = d * U * (np.abs(xr).astype(np.float64) @ np.abs(wr).astype(np.float64).T)
         _check_within(ref.linear(xr, wr), out[:, :n], bound, "bf16 sliced")
@@ -560,6 +588,8 @@ def _check_blocked(mod, scheme, pf):
         mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, pf, 2, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="int8 pipelined block range")
+        _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw: mod.gemm_int8_staged(
+            xq, xs, p.data, p.scale, o, nb0, nb, mc, kcs, l2, pfw), whole, p, "int8")
         gv = np.full((m, p.n_pad), np.nan, np.float32)
         mod.gemv_int8_pf(xq, xs, p.data, p.scale, gv, 0, nb, pf)
         assert_exact(whole, gv, what=f"int8 gemv pf={pf} vs gemm")
@@ -585,6 +615,10 @@ def _check_blocked(mod, scheme, pf):
         mod.gemm_int4_ratio(xq, xs, p.data, 64, srow[16:], rx[p.scale.shape[1] * 64:], part, 1, nb, 64, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="int4 ratio block range")
+        ng = p.scale.shape[1]
+        _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw: mod.gemm_int4_staged(
+            xq, xs, p.data, 64, srow[16 * nb0:], rx[64 * ng * nb0:], o, nb0, nb, mc, kcs, pfw),
+            whole, p, "int4")
         if hasattr(mod, "unit"):
             mod.unit.prefetched_w.clear()
         mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64, pf > 0, True)
