@@ -51,7 +51,8 @@ def _cases(K, scheme, m, n, d, rng):
         mc = K.default_mc(2 * d)
         c = {"pipe": lambda: K.gemm_bf16_pipe(xb, data, out, 0, nb, mc, 0, 1, True)}
         for kcs in (16, 32):
-            c[f"staged kc{kcs}"] = lambda kcs=kcs: K.gemm_bf16_staged(xb, data, out, 0, nb, mc, kcs, 1, True)
+            c[f"staged kc{kcs}"] = lambda kcs=kcs: K.gemm_bf16_staged(xb, data, out, 0, nb, mc, kcs, 1,
+                                                                      True, True)
         return c
     xq, xs = R.quantize_act(x)
     mc = K.default_mc(d)
@@ -59,15 +60,18 @@ def _cases(K, scheme, m, n, d, rng):
         c = {"pipe": lambda: K.gemm_int8_pipe(xq, xs, data, p.scale, out, 0, nb, mc, 0, 2, True)}
         for kcs in (8, 16):
             c[f"staged kc{kcs}"] = lambda kcs=kcs: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc,
-                                                                      kcs, 2, True)
-        c["staged kc16 mc512"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, 512, 16, 2, True)
-        c["staged kc16 nopfw"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 2, False)
+                                                                      kcs, 2, True, True)
+        c["staged kc16 mc512"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, 512, 16, 2,
+                                                            True, True)
+        c["staged kc16 nopfw"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 2,
+                                                            False, True)
         return c
     srow = np.empty(nb * 16, np.float32)
     rx = np.empty(nb * p.scale.shape[1] * 64, np.int8)
     assert K._int4_ratios(p.scale, 0, nb, srow, rx)
     return {"pipe": lambda: K.gemm_int4_ratio(xq, xs, data, 64, srow, rx, out, 0, nb, mc, True),
-            "staged kc16": lambda: K.gemm_int4_staged(xq, xs, data, 64, srow, rx, out, 0, nb, mc, 16, True)}
+            "staged kc16": lambda: K.gemm_int4_staged(xq, xs, data, 64, srow, rx, out, 0, nb, mc, 16, True,
+                                                      True)}
 
 
 def main():

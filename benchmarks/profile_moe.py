@@ -200,7 +200,7 @@ def _amx_variants(scheme):
             @njit(nogil=True)
             def ks(xq, xs, data, scale, wsum, out, nb0, nb1):
                 KA.gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
-                                    kcs, 2, pfw)
+                                    kcs, 2, pfw, True)
             return ks
     elif scheme is QuantScheme.BF16:
         @njit(nogil=True)
@@ -230,7 +230,7 @@ def _amx_variants(scheme):
             @njit(nogil=True)
             def ks(xb, data, out, nb0, nb1):
                 KA.gemm_bf16_staged(xb, data, out, nb0, nb1, KA.default_mc(2 * xb.shape[1]), kcs, 1,
-                                    pfw)
+                                    pfw, True)
             return ks
 
         return {"blocked": k, "no_pfw": k8, "mc512k": k128, "pipe": dist(1), "l2d2": dist(2),

@@ -26,7 +26,8 @@ from numba.extending import intrinsic, register_jitable
 
 __all__ = [
     "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
-    "tileloadd64", "tileloaddt164", "tilestored64", "tdpbssd", "tdpbsud", "tdpbf16ps",
+    "tileloadd64", "tileloaddt164", "tilestored64", "tdpbssd", "tdpbsud",
+    "tdpbf16ps",
     "row16_scale_store", "row16_scale_bits", "row16_fma", "row16_mul_store", "row16_max", "ratio_row16", "copy64",
     "unpack_int4_line", "unpack_int4_line_mul", "prefetch_l1", "prefetch_l2", "prefetch_w",
 ]

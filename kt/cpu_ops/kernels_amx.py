@@ -10,22 +10,27 @@ Contract and data layout: kt/cpu_ops/README.md and packing.py. Tile registers: C
   16-output blocks per pass share one A tile (C 0-3, A 4, B 5-7 in rotation), and the B lines of
   the k-step 4 ahead are prefetched into L1. M = 8 costs what M = 1 costs.
 - ``gemm_*`` (prefill): A is first copied into tile order (zero rows pad M to a multiple of 32, so
-  every tile is full and the config never changes); 2x2 tiles = a 32x32 output per step. INT8 and
-  BF16 (``gemm_*_pipe``): whole K per 32-row panel, software-pipelined (each tile load issued
-  right after the last product reading its register, two products before its use), the next
-  16-output block pair prefetched into L2 while this one is computed, and the panel's output
-  lines prefetched for writing (``pfw``: the MoE layer's outputs were last written by other
-  cores; INT8 T=2048 9 % faster on the device). K slices that keep a pair's B slice in L1 were
-  measured slower (their partial sums go through memory) and are not offered. INT4
+  every tile is full and the config never changes); 2x2 tiles = a 32x32 output per step. The
+  default since session 18 is the staged kernel (``gemm_*_staged``, ``_staged_pair``): per M chunk
+  and 16-output block pair, K slices of at most 16 k-steps (the pair's 32 KiB B slice stays in L1
+  while the chunk's A tiles stream past with the non-temporal load), partial sums between slices
+  in a small buffer, each panel software-pipelined (each tile load issued right after the last
+  product reading its register, two products before its use), the next block pairs prefetched
+  into L2, the output lines prefetched for writing (``pfw``: the MoE layer's outputs were last
+  written by other cores), and each panel's epilogue (scaling, stores) run a few rows at a time
+  between the next panel's products. One core, M=512: 1.3-1.5x the whole-K pipelined kernel
+  (``gemm_*_pipe``, the default of sessions 2-17, which loads both operands from L2 at every
+  k-step and stalls the tile unit for its epilogue); in the 16-thread layer the two are equal
+  (it is bound by the weight stream). The older ``gemm_*_blocked`` kernels (K slices, no
+  pipelining) and ``gemm_*_pipe`` stay for comparison. INT4 on other scales than the quantiser's
   (``gemm_int4_blocked``): M chunks (about 512 KiB of A) x pairs of blocks x K slices x panels,
-  the next (pair, slice) prefetched into L2. The older ``gemm_*_blocked`` kernels (K slices with
-  partial sums through a buffer) stay for comparison.
+  the next (pair, slice) prefetched into L2.
 
 INT4 prefill: the quantiser's group scales are s_row * r_g with small integers r_g
 (``reference.int4_ratio_scales``), so ``gemm_int4`` unpacks each block pair to the int8 values
-r_g * q and runs the INT8 pipelined panel with one fp32 scaling at the end (``gemm_int4_ratio``;
-INT4 T=512 / 2048 on 16 threads 1.3 / 1.4x faster than the flush kernel). Scales of another form
-take the flush kernel, ``gemm_int4_blocked``:
+r_g * q and runs the INT8 staged loop with one fp32 scaling at the end (``gemm_int4_staged``; its
+whole-K predecessor ``gemm_int4_ratio`` was 1.3 / 1.4x faster than the flush kernel at INT4
+T=512 / 2048 on 16 threads). Scales of another form take the flush kernel, ``gemm_int4_blocked``:
 
 INT4 flush kernel: each group's nibbles are unpacked to *signed* int8 (q = nibble - 8) in a small scratch
 tile and multiplied with ``tdpbssd``; the int32 tile is flushed into an fp32 accumulator with the
@@ -62,7 +67,8 @@ _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8
 
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
-           "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int8_staged", "gemm_bf16_staged", "gemm_int4_staged", "gemm_int4_ratio", "peak_int8",
+           "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int8_staged",
+           "gemm_bf16_staged", "gemm_int4_staged", "gemm_int4_ratio", "peak_int8",
            "peak_bf16", "default_mc"]
 
 # The contract entry points (gemv_*, gemm_*) pass their tuning as literal arguments to the
@@ -454,7 +460,7 @@ def _drain(out, ost, cp, cpf, st, q0, q1, bf, scale, xs):
 
 @njit(nogil=True, cache=True)
 def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp, cpart, st,
-                 bf, scale, so, xs, pf0, pf1, nlines, per, pfw):
+                 bf, scale, so, xs, pf0, pf1, nlines, per, pfw, nta):
     """Every (K slice, 32-row panel) unit of one block pair (16-output blocks at bd[o0:], bd[o1:])
     over the M chunk [mc0, mc1) of the packed A ap, in that order; output columns n0...
 
@@ -495,9 +501,15 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
                 tileloadd64(1, cpart, ci + 16, 128)
                 tileloadd64(2, cpart, ci + 512, 128)
                 tileloadd64(3, cpart, ci + 528, 128)
-            tileloaddt164(4, ap, a0 + k0 * sa, 64)
+            if nta:
+                tileloaddt164(4, ap, a0 + k0 * sa, 64)
+            else:
+                tileloadd64(4, ap, a0 + k0 * sa, 64)
             tileloadd64(6, bd, o0 + k0 * sb, 64)
-            tileloaddt164(5, ap, a1 + k0 * sa, 64)
+            if nta:
+                tileloaddt164(5, ap, a1 + k0 * sa, 64)
+            else:
+                tileloadd64(5, ap, a1 + k0 * sa, 64)
             tileloadd64(7, bd, o1 + k0 * sb, 64)
             for s in range(k0, k1):
                 for _ in range(per):
@@ -520,7 +532,10 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
                 if st[0] >= 0:
                     _drain(out, ost, cp, cpf, st, (s - k0) * dper, (s - k0 + 1) * dper, bf, scale, xs)
                 if nxt:
-                    tileloaddt164(4, ap, a0 + (s + 1) * sa, 64)
+                    if nta:
+                        tileloaddt164(4, ap, a0 + (s + 1) * sa, 64)
+                    else:
+                        tileloadd64(4, ap, a0 + (s + 1) * sa, 64)
                 if bf:
                     tdpbf16ps(2, 5, 6)
                 else:
@@ -532,7 +547,10 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
                 else:
                     tdpbssd(3, 5, 7)
                 if nxt:
-                    tileloaddt164(5, ap, a1 + (s + 1) * sa, 64)
+                    if nta:
+                        tileloaddt164(5, ap, a1 + (s + 1) * sa, 64)
+                    else:
+                        tileloadd64(5, ap, a1 + (s + 1) * sa, 64)
                     tileloadd64(7, bd, o1 + (s + 1) * sb, 64)
             st[0] = -1  # drained: dper * (k1 - k0) >= 64 half-rows
             if k1 == ks:
@@ -562,7 +580,7 @@ def _staged_buffers(mc):
 
 
 @njit(nogil=True, cache=True)
-def _gemm_staged(a, data, out, nb0, nb1, mc, kcs, l2, pfw, bf, xs, scale):
+def _gemm_staged(a, data, out, nb0, nb1, mc, kcs, l2, pfw, nta, bf, xs, scale):
     """The staged large-M GEMM of ``gemm_int8_staged`` (bf False) and ``gemm_bf16_staged`` (bf
     True): M chunks of mc rows x block pairs x ``_staged_pair``; the last staged panel is
     written out at the end."""
@@ -585,27 +603,27 @@ def _gemm_staged(a, data, out, nb0, nb1, mc, kcs, l2, pfw, bf, xs, scale):
             # an odd last block pairs with itself (its second product is computed, not stored)
             pf0, pf1, nlines, per = _pipe_pair_prefetch(b, nb0, nb1, blk, (mc1 - mc0) // 32, ks, l2)
             _staged_pair(ap, mc0, mc1, m_all, data, o0, o0 + blk if two else o0, ks, kcs, out, ost,
-                         16 * b, two, cp, cpart, st, bf, scale, 16 * b, xs, pf0, pf1, nlines, per, pfw)
+                         16 * b, two, cp, cpart, st, bf, scale, 16 * b, xs, pf0, pf1, nlines, per, pfw, nta)
     if st[0] >= 0:
         _drain(out, ost, cp, cp.view(np.float32), st, 0, 64, bf, scale, xs)
     tilerelease()
 
 
 @njit(nogil=True, cache=True)
-def gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, l2, pfw):
+def gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, l2, pfw, nta):
     """Large-M INT8, staged (``_staged_pair``): K slices of at most kcs k-steps (16: a block pair's
-    32 KiB slice of B fits L1), mc rows per M chunk, A streamed with the non-temporal hint, each
-    panel's epilogue overlapped with the next panel's products; l2 / pfw as ``gemm_int8_pipe``.
-    Same result as ``gemv_int8``."""
-    _gemm_staged(xq, data, out, nb0, nb1, mc, kcs, l2, pfw, False, xs, scale)
+    32 KiB slice of B fits L1), mc rows per M chunk, A streamed with the non-temporal hint (nta;
+    False: plain loads), each panel's epilogue overlapped with the next panel's products; l2 / pfw
+    as ``gemm_int8_pipe``. Same result as ``gemv_int8``."""
+    _gemm_staged(xq, data, out, nb0, nb1, mc, kcs, l2, pfw, nta, False, xs, scale)
 
 
 @njit(nogil=True, cache=True)
-def gemm_bf16_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw):
+def gemm_bf16_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw, nta):
     """Large-M BF16 with the staged kernel of ``gemm_int8_staged`` (tdpbf16ps, 32 k per step;
     partial sums in fp32 between K slices, so the summation order over K is that of
     ``gemm_bf16``'s panels)."""
-    _gemm_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw, True, _NO_XS, _NO_XS)
+    _gemm_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw, nta, True, _NO_XS, _NO_XS)
 
 
 @njit(nogil=True, cache=True)
@@ -614,7 +632,7 @@ def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     slices of 16 k-steps, the block pair two ahead prefetched into L2, output lines prefetched for
     writing). One core, M=512 (session 18, dev Emerald Rapids): 1.4-1.5x the pipelined
     ``gemm_int8_pipe`` at N=1536 K=2048, 1.6x at N=2048 K=768."""
-    gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 16, 2, True)
+    gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 16, 2, True, True)
 
 
 # ----------------------------------------------------------------------------- INT4
@@ -882,7 +900,7 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
 
 
 @njit(nogil=True, cache=True)
-def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs, pfw):
+def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs, pfw, nta):
     """``gemm_int4_ratio`` with the staged INT8 loop (``_staged_pair``, K slices of at most kcs
     k-steps) in place of the whole-K pipelined panel: each block pair is unpacked to r_g * q once
     per M chunk, then multiplied slice by slice. Same result as ``gemm_int4_ratio``."""
@@ -919,7 +937,7 @@ def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs,
                         jg = 0
                         ro += 64
             _staged_pair(ap, mc0, mc1, m_all, bs, 0, blk if two else 0, ks, kcs, out, ost, 16 * b, two,
-                         cp, cpart, st, False, srow, (b - nb0) * 16, xs, 0, 0, 0, 0, pfw)
+                         cp, cpart, st, False, srow, (b - nb0) * 16, xs, 0, 0, 0, 0, pfw, nta)
     if st[0] >= 0:
         _drain(out, ost, cp, cp.view(np.float32), st, 0, 64, False, srow, xs)
     tilerelease()
@@ -928,7 +946,7 @@ def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs,
 @njit(nogil=True, cache=True)
 def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """Large-M INT4 (same contract as ``gemv_int4``). Scales of the quantiser's form s_row * r_g
-    (every matrix ``reference.quantize`` or the converter made): ``gemm_int4_ratio``, INT8 speed
+    (every matrix ``reference.quantize`` or the converter made): ``gemm_int4_staged``, INT8 speed
     with no per-group flush. Other scales (weights quantised elsewhere): ``gemm_int4_blocked``,
     2x2 tiles with the per-group fp32 flush."""
     nbr = max(nb1 - nb0, 0)
@@ -936,7 +954,7 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     rx = empty_line(nbr * scale.shape[1] * 64, np.int8)
     mc = default_mc(xq.shape[1])
     if _int4_ratios(scale, nb0, nb1, srow, rx):
-        gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True)
+        gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True)
         return
     kc = max(512, group_size)
     gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, True, True)
@@ -1062,11 +1080,12 @@ def gemm_bf16_blocked(xb, data, out, nb0, nb1, mc, kcs, pf):
 
 @njit(nogil=True, cache=True)
 def gemm_bf16(xb, data, out, nb0, nb1):
-    """Large-M BF16 (same contract as ``gemv_bf16``): the pipelined kernel with L2 prefetch
-    (device run 2, qwen3 layer, 16 threads: 24 % faster than blocked at T=512, 21 % at 2048), one
-    block pair ahead (INT8 keeps two): at T=2048 one ahead was 3-5 % faster on three leases of
-    four (sessions 14 and 15; none in session 10), at T=512 4.6 % faster once and tied once."""
-    gemm_bf16_staged(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 16, 1, True)
+    """Large-M BF16 (same contract as ``gemv_bf16``): the staged kernel, K slices of 16 k-steps
+    (32 k each), the L2 prefetch one block pair ahead as the pipelined kernel before it had it (at
+    T=2048 one ahead was 3-5 % faster than two on three leases of four, sessions 14-15). One core,
+    M=512 (session 18, dev): 1.1x / 1.2x the pipelined ``gemm_bf16_pipe`` (gate+up / down); the
+    16-thread layer the same within 3 %."""
+    gemm_bf16_staged(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 16, 1, True, True)
 
 
 # ----------------------------------------------------------------------------- roofline

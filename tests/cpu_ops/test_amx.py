@@ -59,7 +59,8 @@ for name, sig in sigs.items():
     f.compile(sig)
     asm = f.inspect_asm(sig)
     res[name] = {m: asm.count(m) for m in
-                 ("tdpbssd", "tdpbf16ps", "tileloadd", "tilestored", "ldtilecfg", "tilerelease")}
+                 ("tdpbssd", "tdpbf16ps", "tileloadd", "tileloaddt1", "tilestored", "ldtilecfg",
+                  "tilerelease")}
 print("RESULT" + json.dumps(res))
 """
 
@@ -89,6 +90,8 @@ def test_amx_kernels_compile_to_tile_instructions(tmp_path):
             continue
         for m in ("tileloadd", "tilestored", "ldtilecfg", "tilerelease"):
             assert c[m] > 0, f"{name}: no {m} in the assembly ({c})"
+        # the staged large-M kernels stream A with the non-temporal tile load
+        assert (c["tileloaddt1"] > 0) == name.startswith("gemm"), (name, c)
 
 
 def _amx_runnable() -> bool:
@@ -505,23 +508,25 @@ def test_emulated_kernels_match_reference(EK, op, scheme, g, m, n, d):
 
 
 def _check_staged(mod, run, whole, p, what):
-    """The staged kernel ``run(out, nb0, mc, kcs, l2, pfw)`` gives ``whole`` exactly for K slices
-    of 1, 3 and all k-steps, M chunks of 32 and 64 rows, with and without its prefetches; a block
+    """The staged kernel ``run(out, nb0, mc, kcs, l2, pfw, nta)`` gives ``whole`` exactly for K
+    slices of 1, 3 and all k-steps, M chunks of 32 and 64 rows, with and without its prefetches
+    and the non-temporal A loads; a block
     range leaves the other columns untouched; (emulated) pfw asks for exactly the output lines
     the drain writes."""
     m = whole.shape[0]
     nb = p.num_blocks
-    for mc, kcs, l2, pfw in ((32, 1, 2, True), (64, 3, 0, False), (64, 1000, 1, True)):
+    for mc, kcs, l2, pfw, nta in ((32, 1, 2, True, True), (64, 3, 0, False, False),
+                                  (64, 1000, 1, True, True)):
         o = np.full(whole.shape, np.nan, np.float32)
         if hasattr(mod, "unit"):
             mod.unit.prefetched_w.clear()
-        run(o, 0, mc, kcs, l2, pfw)
+        run(o, 0, mc, kcs, l2, pfw, nta)
         assert_exact(whole, o, what=f"{what} staged mc={mc} kcs={kcs} vs gemm")
         if hasattr(mod, "unit"):
             want = {r * p.n_pad + 16 * b for r in range(m) for b in range(nb)} if pfw else set()
             assert mod.unit.prefetched_w == want, what
     part = np.full(whole.shape, np.nan, np.float32)
-    run(part, 1, 64, 2, 2, True)
+    run(part, 1, 64, 2, 2, True, True)
     assert np.isnan(part[:, :16]).all()
     assert_exact(whole[:, 16:], part[:, 16:], what=f"{what} staged block range")
 
@@ -550,8 +555,8 @@ def _check_blocked(mod, scheme, pf):
         assert_exact(whole[:, 16:], part[:, 16:], what="bf16 pipelined block range")
         # the staged kernel: K slices carry the fp32 partial sums bit for bit, so any slicing
         # sums in gemm_bf16's order
-        _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw: mod.gemm_bf16_staged(
-            xb, p.data, o, nb0, nb, mc, kcs, l2, pfw), whole, p, "bf16")
+        _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw, nta: mod.gemm_bf16_staged(
+            xb, p.data, o, nb0, nb, mc, kcs, l2, pfw, nta), whole, p, "bf16")
         xr, wr = ref.bf16_round(x), ref.dequantize(ref.quantize(w, "bf16"))
         bound = d * U * (np.abs(xr).astype(np.float64) @ np.abs(wr).astype(np.float64).T)
         _check_within(ref.linear(xr, wr), out[:, :n], bound, "bf16 sliced")
@@ -588,8 +593,8 @@ def _check_blocked(mod, scheme, pf):
         mod.gemm_int8_pipe(xq, xs, p.data, p.scale, part, 1, nb, 64, pf, 2, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="int8 pipelined block range")
-        _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw: mod.gemm_int8_staged(
-            xq, xs, p.data, p.scale, o, nb0, nb, mc, kcs, l2, pfw), whole, p, "int8")
+        _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw, nta: mod.gemm_int8_staged(
+            xq, xs, p.data, p.scale, o, nb0, nb, mc, kcs, l2, pfw, nta), whole, p, "int8")
         gv = np.full((m, p.n_pad), np.nan, np.float32)
         mod.gemv_int8_pf(xq, xs, p.data, p.scale, gv, 0, nb, pf)
         assert_exact(whole, gv, what=f"int8 gemv pf={pf} vs gemm")
@@ -616,8 +621,8 @@ def _check_blocked(mod, scheme, pf):
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="int4 ratio block range")
         ng = p.scale.shape[1]
-        _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw: mod.gemm_int4_staged(
-            xq, xs, p.data, 64, srow[16 * nb0:], rx[64 * ng * nb0:], o, nb0, nb, mc, kcs, pfw),
+        _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw, nta: mod.gemm_int4_staged(
+            xq, xs, p.data, 64, srow[16 * nb0:], rx[64 * ng * nb0:], o, nb0, nb, mc, kcs, pfw, nta),
             whole, p, "int4")
         if hasattr(mod, "unit"):
             mod.unit.prefetched_w.clear()
