@@ -480,23 +480,17 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
     nsl = (ks + kcs - 1) // kcs
     kc = (ks + nsl - 1) // nsl
     pl = 0
-    pre = False                      # this unit's first tiles already loaded by the unit before
     for k0 in range(0, ks, kc):
         k1 = min(k0 + kc, ks)
         dper = (63 + k1 - k0) // (k1 - k0)
         for mp in range(mc0, mc1, 32):
             a0 = (mp // 16) * ks * sa
+            a1 = a0 + ks * sa
             ci = (mp - mc0) // 32 * 1024
             rows = min(32, m_all - mp)
             wrows = rows if pfw and k1 == ks else 0
             wper = (wrows + k1 - k0 - 1) // (k1 - k0)
             wo = mp * ost + n0
-            # after its last k-step's products a unit loads the next unit's first tiles (the next
-            # panel of this slice, else the first panel of the next slice), so that unit's first
-            # products need not wait for them; the pair's last unit has none
-            nxa = a0 + 2 * ks * sa if mp + 32 < mc1 else (mc0 // 16) * ks * sa
-            nxk = k0 if mp + 32 < mc1 else k1
-            has = mp + 32 < mc1 or k1 < ks
             if k0 == 0:
                 tilezero(0)
                 tilezero(1)
@@ -507,17 +501,16 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
                 tileloadd64(1, cpart, ci + 16, 128)
                 tileloadd64(2, cpart, ci + 512, 128)
                 tileloadd64(3, cpart, ci + 528, 128)
-            if not pre:
-                if nta:
-                    tileloaddt164(4, ap, a0 + k0 * sa, 64)
-                else:
-                    tileloadd64(4, ap, a0 + k0 * sa, 64)
-                tileloadd64(6, bd, o0 + k0 * sb, 64)
-                if nta:
-                    tileloaddt164(5, ap, a0 + (ks + k0) * sa, 64)
-                else:
-                    tileloadd64(5, ap, a0 + (ks + k0) * sa, 64)
-                tileloadd64(7, bd, o1 + k0 * sb, 64)
+            if nta:
+                tileloaddt164(4, ap, a0 + k0 * sa, 64)
+            else:
+                tileloadd64(4, ap, a0 + k0 * sa, 64)
+            tileloadd64(6, bd, o0 + k0 * sb, 64)
+            if nta:
+                tileloaddt164(5, ap, a1 + k0 * sa, 64)
+            else:
+                tileloadd64(5, ap, a1 + k0 * sa, 64)
+            tileloadd64(7, bd, o1 + k0 * sb, 64)
             for s in range(k0, k1):
                 for _ in range(per):
                     if pl < nlines:
@@ -529,10 +522,7 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
                     prefetch_w(out, wo + q * ost)
                     if two:
                         prefetch_w(out, wo + q * ost + 16)
-                # the tiles loaded after this k-step's products: k-step s + 1, or the next unit's
-                go = s + 1 < k1 or has
-                la = a0 + (s + 1) * sa if s + 1 < k1 else nxa + nxk * sa
-                lb = (s + 1) * sb if s + 1 < k1 else nxk * sb
+                nxt = s + 1 < k1
                 if bf:
                     tdpbf16ps(0, 4, 6)
                     tdpbf16ps(1, 4, 7)
@@ -541,28 +531,27 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
                     tdpbssd(1, 4, 7)
                 if st[0] >= 0:
                     _drain(out, ost, cp, cpf, st, (s - k0) * dper, (s - k0 + 1) * dper, bf, scale, xs)
-                if go:
+                if nxt:
                     if nta:
-                        tileloaddt164(4, ap, la, 64)
+                        tileloaddt164(4, ap, a0 + (s + 1) * sa, 64)
                     else:
-                        tileloadd64(4, ap, la, 64)
+                        tileloadd64(4, ap, a0 + (s + 1) * sa, 64)
                 if bf:
                     tdpbf16ps(2, 5, 6)
                 else:
                     tdpbssd(2, 5, 6)
-                if go:
-                    tileloadd64(6, bd, o0 + lb, 64)
+                if nxt:
+                    tileloadd64(6, bd, o0 + (s + 1) * sb, 64)
                 if bf:
                     tdpbf16ps(3, 5, 7)
                 else:
                     tdpbssd(3, 5, 7)
-                if go:
+                if nxt:
                     if nta:
-                        tileloaddt164(5, ap, la + ks * sa, 64)
+                        tileloaddt164(5, ap, a1 + (s + 1) * sa, 64)
                     else:
-                        tileloadd64(5, ap, la + ks * sa, 64)
-                    tileloadd64(7, bd, o1 + lb, 64)
-            pre = has
+                        tileloadd64(5, ap, a1 + (s + 1) * sa, 64)
+                    tileloadd64(7, bd, o1 + (s + 1) * sb, 64)
             st[0] = -1  # drained: dper * (k1 - k0) >= 64 half-rows
             if k1 == ks:
                 tilestored64(0, cp, 0, 128)
