@@ -846,6 +846,27 @@ def _int4_ratios(scale, nb0, nb1, srow, rx):
 
 
 @njit(nogil=True, cache=True)
+def _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk):
+    """Blocks b and b + 1 (if < nb1) of packed INT4 ``data`` -> the int8 values r_g * q in bs
+    (block q at bs[q * blk:], k-step tiles of 1 KiB), rx as ``_int4_ratios`` made it for blocks
+    from nb0; lpg packed lines per group of ng. While unpacking, the pair two blocks on is
+    prefetched into L2."""
+    lines = data.shape[1]
+    for q in range(2 if b + 1 < nb1 else 1):
+        nxt = b + 2 + q
+        ro = (b + q - nb0) * ng * 64     # this group's ratios in rx, stepped without a division
+        jg = 0                           # (j // lpg compiled to a div per line)
+        for j in range(lines):
+            if nxt < nb1:
+                prefetch_l2(data, (nxt * lines + j) * 64)
+            unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro)
+            jg += 1
+            if jg == lpg:
+                jg = 0
+                ro += 64
+
+
+@njit(nogil=True, cache=True)
 def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
     """Large-M INT4 for scales of the form s_row * r_g (``_int4_ratios`` gives srow and rx): each
     block pair's nibbles are unpacked to the int8 values r_g * q (exact: |r_g q| <= 126), once per
@@ -859,7 +880,6 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
     ks = d_pad // 64
     ng = d_pad // g
     lpg = g // 8                     # packed lines per group
-    lines = data.shape[1]
     m_all = xq.shape[0]
     ost = out.strides[0] // 4
     ap = _pack_a(xq, ks, 64)
@@ -874,19 +894,7 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
         mc1 = min(mc0 + mc, mpad)
         for b in range(nb0, nb1, 2):
             two = b + 1 < nb1
-            for q in range(2 if two else 1):
-                lb = b + q - nb0
-                nxt = b + 2 + q
-                ro = lb * ng * 64        # this group's ratios in rx, stepped without a division
-                jg = 0                   # (j // lpg compiled to a div per line)
-                for j in range(lines):
-                    if nxt < nb1:
-                        prefetch_l2(data, (nxt * lines + j) * 64)
-                    unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro)
-                    jg += 1
-                    if jg == lpg:
-                        jg = 0
-                        ro += 64
+            _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk)
             o1 = blk if two else 0
             so = (b - nb0) * 16
             for mp in range(mc0, mc1, 32):
@@ -908,7 +916,6 @@ def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs,
     ks = xq.shape[1] // 64
     ng = xq.shape[1] // g
     lpg = g // 8                     # packed lines per group
-    lines = data.shape[1]
     m_all = xq.shape[0]
     ost = out.strides[0] // 4
     ap = _pack_a(xq, ks, 64)
@@ -923,19 +930,7 @@ def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs,
         mc1 = min(mc0 + mc, mpad)
         for b in range(nb0, nb1, 2):
             two = b + 1 < nb1
-            for q in range(2 if two else 1):
-                lb = b + q - nb0
-                nxt = b + 2 + q
-                ro = lb * ng * 64        # this group's ratios in rx, stepped without a division
-                jg = 0
-                for j in range(lines):
-                    if nxt < nb1:
-                        prefetch_l2(data, (nxt * lines + j) * 64)
-                    unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro)
-                    jg += 1
-                    if jg == lpg:
-                        jg = 0
-                        ro += 64
+            _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk)
             _staged_pair(ap, mc0, mc1, m_all, bs, 0, blk if two else 0, ks, kcs, out, ost, 16 * b, two,
                          cp, cpart, st, False, srow, (b - nb0) * 16, xs, 0, 0, 0, 0, pfw, nta)
     if st[0] >= 0:
