@@ -256,7 +256,19 @@ def _amx_variants(scheme):
             else:
                 KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
 
-        return {"i4flush": k4, "pipe": kp}
+        # the staged kernel for every M (gemm_int4 takes gemm_int4_inline up to 32 rows)
+        @njit(nogil=True)
+        def ks(xq, xs, data, scale, group_size, out, nb0, nb1):
+            nbr = max(nb1 - nb0, 0)
+            srow = np.empty(nbr * 16, np.float32)
+            rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
+            if KA._int4_ratios(scale, nb0, nb1, srow, rx):
+                KA.gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1,
+                                    KA.default_mc(xq.shape[1]), 16, True, True)
+            else:
+                KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
+
+        return {"i4flush": k4, "pipe": kp, "no_inline": ks}
     return {"blocked": k, "no_pfw": k8, "pipe": dist(2), "l2d0": dist(0), "l2d1": dist(1),
             "l2d3": dist(3), "l2d4": dist(4), "st_kc8": staged(8, True), "st_kc32": staged(32, True),
             "st_nopfw": staged(16, False)}

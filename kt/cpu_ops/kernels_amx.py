@@ -68,7 +68,7 @@ _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
            "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int8_staged",
-           "gemm_bf16_staged", "gemm_int4_staged", "gemm_int4_ratio", "peak_int8",
+           "gemm_bf16_staged", "gemm_int4_staged", "gemm_int4_inline", "gemm_int4_ratio", "peak_int8",
            "peak_bf16", "default_mc"]
 
 # The contract entry points (gemv_*, gemm_*) pass their tuning as literal arguments to the
@@ -938,18 +938,120 @@ def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs,
     tilerelease()
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _unpack_kstep(data, b, lines, s, lpg, ng, lb, rx, bs, bo):
+    """k-step s of packed INT4 block b (its 8 lines) -> the 1 KiB int8 tile r_g * q at bs[bo:]
+    (lb: the block's index in rx)."""
+    for j in range(8 * s, 8 * s + 8):
+        unpack_int4_line_mul(data, (b * lines + j) * 64, bs, bo + (j - 8 * s) * 128, rx,
+                             (lb * ng + j // lpg) * 64)
+
+
+@njit(nogil=True, cache=True)
+def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw):
+    """Small-M INT4 (the experts of a prefill layer: tens of rows) on ratio scales, as
+    ``gemm_int4_staged`` computes it but unpacking each k-step's two B tiles just before its
+    products, into a two-slot ring of 2 KiB that stays in L1, instead of a whole block pair into a
+    64 KiB buffer first: the unpack of k-step s + 1 (vector work) runs while the tile unit does
+    k-step s. Every 32-row panel unpacks again, so this pays only for one or two panels (at M=32
+    the pair unpack was ~40 % of the call). l2 > 0: prefetch the packed lines of the block pair l2
+    pairs ahead into L2, a k-step's worth per k-step. pfw as ``gemm_int8_staged``. Same result as
+    ``gemm_int4_staged``."""
+    g = group_size
+    ks = xq.shape[1] // 64
+    ng = xq.shape[1] // g
+    lpg = g // 8
+    lines = data.shape[1]
+    m_all = xq.shape[0]
+    ost = out.strides[0] // 4
+    ap = _pack_a(xq, ks, 64)
+    mpad = ap.shape[0] * 16
+    ring = empty_line(4096, np.int8)   # 2 slots x (block 0, block 1) x 1 KiB
+    cp, cpart, st = _staged_buffers(32)
+    cpf = cp.view(np.float32)
+    cfg = np.zeros(64, np.uint8)
+    _config(cfg, 16, 64)
+    for b in range(nb0, nb1, 2):
+        two = b + 1 < nb1
+        b1 = b + 1 if two else b
+        pb = b + 2 * l2
+        for mp in range(0, mpad, 32):
+            a0 = (mp // 16) * ks * 1024
+            a1 = a0 + ks * 1024
+            rows = min(32, m_all - mp)
+            wrows = rows if pfw else 0
+            wper = (wrows + ks - 1) // ks
+            wo = mp * ost + 16 * b
+            dper = (63 + ks) // ks
+            tilezero(0)
+            tilezero(1)
+            tilezero(2)
+            tilezero(3)
+            _unpack_kstep(data, b, lines, 0, lpg, ng, b - nb0, rx, ring, 0)
+            _unpack_kstep(data, b1, lines, 0, lpg, ng, b1 - nb0, rx, ring, 1024)
+            tileloadd64(4, ap, a0, 64)
+            tileloadd64(6, ring, 0, 64)
+            tileloadd64(5, ap, a1, 64)
+            tileloadd64(7, ring, 1024, 64)
+            for s in range(ks):
+                nxt = s + 1 < ks
+                so = ((s + 1) % 2) * 2048     # the ring slot of k-step s + 1
+                if l2 > 0 and mp == 0 and pb < nb1:
+                    for j in range(8 * s, 8 * s + 8):
+                        prefetch_l2(data, (pb * lines + j) * 64)
+                        if pb + 1 < nb1:
+                            prefetch_l2(data, ((pb + 1) * lines + j) * 64)
+                for q in range(s * wper, min((s + 1) * wper, wrows)):
+                    prefetch_w(out, wo + q * ost)
+                    if two:
+                        prefetch_w(out, wo + q * ost + 16)
+                tdpbssd(0, 4, 6)
+                tdpbssd(1, 4, 7)
+                if st[0] >= 0:
+                    _drain(out, ost, cp, cpf, st, s * dper, (s + 1) * dper, False, srow, xs)
+                if nxt:
+                    _unpack_kstep(data, b, lines, s + 1, lpg, ng, b - nb0, rx, ring, so)
+                    _unpack_kstep(data, b1, lines, s + 1, lpg, ng, b1 - nb0, rx, ring, so + 1024)
+                    tileloadd64(4, ap, a0 + (s + 1) * 1024, 64)
+                tdpbssd(2, 5, 6)
+                if nxt:
+                    tileloadd64(6, ring, so, 64)
+                tdpbssd(3, 5, 7)
+                if nxt:
+                    tileloadd64(5, ap, a1 + (s + 1) * 1024, 64)
+                    tileloadd64(7, ring, so + 1024, 64)
+            st[0] = -1
+            tilestored64(0, cp, 0, 128)
+            tilestored64(1, cp, 16, 128)
+            tilestored64(2, cp, 512, 128)
+            tilestored64(3, cp, 528, 128)
+            st[0] = mp
+            st[1] = 16 * b
+            st[2] = rows
+            st[3] = 1 if two else 0
+            st[4] = (b - nb0) * 16
+    if st[0] >= 0:
+        _drain(out, ost, cp, cpf, st, 0, 64, False, srow, xs)
+    tilerelease()
+
+
 @njit(nogil=True, cache=True)
 def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """Large-M INT4 (same contract as ``gemv_int4``). Scales of the quantiser's form s_row * r_g
     (every matrix ``reference.quantize`` or the converter made): ``gemm_int4_staged``, INT8 speed
-    with no per-group flush. Other scales (weights quantised elsewhere): ``gemm_int4_blocked``,
+    with no per-group flush; up to 32 rows (one panel) ``gemm_int4_inline``, which unpacks as it
+    multiplies (one core, M=20-32, cold weights: 1.2-1.5x the staged kernel, medians; at M=48 it
+    was slower: every panel unpacks again). Other scales (weights quantised elsewhere): ``gemm_int4_blocked``,
     2x2 tiles with the per-group fp32 flush."""
     nbr = max(nb1 - nb0, 0)
     srow = empty_line(nbr * 16, np.float32)
     rx = empty_line(nbr * scale.shape[1] * 64, np.int8)
     mc = default_mc(xq.shape[1])
     if _int4_ratios(scale, nb0, nb1, srow, rx):
-        gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True)
+        if xq.shape[0] <= 32:
+            gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, True)
+        else:
+            gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True)
         return
     kc = max(512, group_size)
     gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, True, True)
