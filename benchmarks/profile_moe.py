@@ -244,31 +244,26 @@ def _amx_variants(scheme):
             KA.gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1,
                                  KA.default_mc(xq.shape[1]), max(512, group_size), True, True)
 
-        # the whole-K pipelined ratio kernel gemm_int4 used before the staged one (sessions 9-17)
-        @njit(nogil=True)
-        def kp(xq, xs, data, scale, group_size, out, nb0, nb1):
-            nbr = max(nb1 - nb0, 0)
-            srow = np.empty(nbr * 16, np.float32)
-            rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
-            if KA._int4_ratios(scale, nb0, nb1, srow, rx):
-                KA.gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1,
-                                   KA.default_mc(xq.shape[1]), True)
-            else:
-                KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
+        def ratio(staged):
+            """On the quantiser's ratio scales: the whole-K pipelined kernel gemm_int4 used in
+            sessions 9-17 (staged False), or the staged kernel at every M (gemm_int4 itself takes
+            gemm_int4_inline up to 32 rows); other scales: gemm_int4."""
+            @njit(nogil=True)
+            def kr(xq, xs, data, scale, group_size, out, nb0, nb1):
+                nbr = max(nb1 - nb0, 0)
+                srow = np.empty(nbr * 16, np.float32)
+                rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
+                mc = KA.default_mc(xq.shape[1])
+                if not KA._int4_ratios(scale, nb0, nb1, srow, rx):
+                    KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
+                elif staged:
+                    KA.gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16,
+                                        True, True)
+                else:
+                    KA.gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, True)
+            return kr
 
-        # the staged kernel for every M (gemm_int4 takes gemm_int4_inline up to 32 rows)
-        @njit(nogil=True)
-        def ks(xq, xs, data, scale, group_size, out, nb0, nb1):
-            nbr = max(nb1 - nb0, 0)
-            srow = np.empty(nbr * 16, np.float32)
-            rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
-            if KA._int4_ratios(scale, nb0, nb1, srow, rx):
-                KA.gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1,
-                                    KA.default_mc(xq.shape[1]), 16, True, True)
-            else:
-                KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
-
-        return {"i4flush": k4, "pipe": kp, "no_inline": ks}
+        return {"i4flush": k4, "pipe": ratio(False), "no_inline": ratio(True)}
     return {"blocked": k, "no_pfw": k8, "pipe": dist(2), "l2d0": dist(0), "l2d1": dist(1),
             "l2d3": dist(3), "l2d4": dist(4), "st_kc8": staged(8, True), "st_kc32": staged(32, True),
             "st_nopfw": staged(16, False)}
