@@ -510,9 +510,8 @@ def test_emulated_kernels_match_reference(EK, op, scheme, g, m, n, d):
 def _check_staged(mod, run, whole, p, what):
     """The staged kernel ``run(out, nb0, mc, kcs, l2, pfw, nta)`` gives ``whole`` exactly for K
     slices of 1, 3 and all k-steps, M chunks of 32 and 64 rows, with and without its prefetches
-    and the non-temporal A loads; a block
-    range leaves the other columns untouched; (emulated) pfw asks for exactly the output lines
-    the drain writes."""
+    and the non-temporal A loads; a block range leaves the other columns untouched; (emulated)
+    pfw asks for exactly the output lines the drain writes."""
     m = whole.shape[0]
     nb = p.num_blocks
     for mc, kcs, l2, pfw, nta in ((32, 1, 2, True, True), (64, 3, 0, False, False),
@@ -626,7 +625,7 @@ def _check_blocked(mod, scheme, pf):
             whole, p, "int4")
         # the small-M kernel that unpacks as it multiplies (any M: each panel unpacks again)
         _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw, nta: mod.gemm_int4_inline(
-            xq, xs, p.data, 64, srow[16 * nb0:], rx[64 * ng * nb0:], o, nb0, nb, l2 % 3, pfw),
+            xq, xs, p.data, 64, srow[16 * nb0:], rx[64 * ng * nb0:], o, nb0, nb, l2, pfw),
             whole, p, "int4 inline")
         if hasattr(mod, "unit"):
             mod.unit.prefetched_w.clear()
