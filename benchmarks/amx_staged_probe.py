@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _results import write_json  # noqa: E402
-from _rounds import interleaved_rounds  # noqa: E402
+from _rounds import amx_int8_peak, interleaved_rounds  # noqa: E402
 from bench_gemm import huge_empty  # noqa: E402
 from kt import reference as R  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
@@ -94,16 +94,9 @@ def main():
                     cases[(scheme, m, n, d, name)] = f
                     ops[(scheme, m, n, d, name)] = 2 * m * n * d
 
-    def peaks():
-        import time
-        r = []
-        for f in (K.peak_int8, K.peak_bf16):
-            t0 = time.perf_counter()
-            o = f(100000)
-            r.append(o / (time.perf_counter() - t0) / 1e12)
-        return r
-
-    times, pk = interleaved_rounds(cases, a.rounds, between=peaks)
+    amx_int8_peak(K, 1000), amx_int8_peak(K, 1000, bf16=True)  # compile / load both
+    times, pk = interleaved_rounds(cases, a.rounds, between=lambda: (
+        amx_int8_peak(K, 100000), amx_int8_peak(K, 100000, bf16=True)))
     p8, p16 = max(p[0] for p in pk), max(p[1] for p in pk)
     rows = []
     base = {}
