@@ -8,6 +8,9 @@ every call gets fresh uniform routing; kt and kt-kernel calls alternate.
 
 Device use (the cp312 wheel's kt_kernel/ and kt_kernel.libs/ carried under .ktk/):
     PYTHONPATH=. python3 benchmarks/baseline_ktkernel.py --ktk .ktk --threads 15 --out $OUT
+
+``--serve`` runs one side as a server for ``pair_ktkernel.py``, which alternates the calls of two
+such processes (kt's and kt-kernel's, each with only its own threads) call by call.
 """
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -80,6 +82,51 @@ def routing(gen, T, E, K):
     return ids, (w / w.sum(1, keepdim=True)).contiguous()
 
 
+def serve(a, ext, E, K, H, I, max_len):
+    """One side (a.side) as a server on stdin / stdout, one command per line: ``build SCHEME``
+    (a.copies fresh copies, replacing the last scheme's) -> ``@@built SECONDS``; ``call T SEED`` (x
+    and routing drawn from SEED, so both sides get the same inputs; the next copy) -> ``@@`` and
+    the call's seconds; ``quit``. It says ``@@ready`` first."""
+    cpuinfer = ext.CPUInfer(a.threads) if a.side == "ktkernel" else None
+    pool = CpuPool(a.threads) if a.side == "kt" else None
+    gen = torch.Generator().manual_seed(1)
+    layers, n = [], 0
+    print("@@ready", flush=True)  # replies start with @@: the libraries print lines of their own
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        if cmd[0] == "build":
+            t0 = time.time()
+            layers = []
+            for _ in range(a.copies):
+                g = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(torch.bfloat16).contiguous()
+                u = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(torch.bfloat16).contiguous()
+                d = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(torch.bfloat16).contiguous()
+                if a.side == "ktkernel":
+                    kl = KtKernelLayer(ext, cpuinfer, cmd[1], g, u, d, max_len)
+                    kl.build(K)
+                    layers.append(kl)
+                else:
+                    layers.append(CPUMoE.from_tensors(g, u, d, scheme=cmd[1], pool=pool))
+            print(f"@@built {time.time() - t0:.1f}", flush=True)
+        elif cmd[0] == "call":
+            T, seed = int(cmd[1]), int(cmd[2])
+            g2 = torch.Generator().manual_seed(seed)
+            x = (torch.randn(T, H, generator=g2) * 0.5).to(torch.bfloat16).contiguous()
+            ids, w = routing(g2, T, E, K)
+            out = torch.empty(T, H, dtype=torch.bfloat16)
+            qlen = torch.tensor([T], dtype=torch.int32)
+            layer = layers[n % len(layers)]
+            n += 1
+            t0 = time.perf_counter()
+            if a.side == "ktkernel":
+                layer(x, ids, w, out, qlen)
+            else:
+                layer(x, ids, w)
+            print(f"@@{time.perf_counter() - t0:.9f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ktk", default=".ktk")
@@ -92,11 +139,19 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--side", default="both", choices=["both", "kt", "ktkernel"],
                     help="one side alone: no spinning threads of the other library in the process")
+    ap.add_argument("--serve", action="store_true",
+                    help="run --side kt or ktkernel as a server for pair_ktkernel.py (see serve)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     t_start = time.time()
     E, K, H, I = (int(v) for v in a.shape.split(","))
     Ts = [int(t) for t in a.T.split(",")]
+    if a.serve:
+        if a.side == "both":
+            ap.error("--serve runs one side: --side kt or --side ktkernel")
+        serve(a, load_ext(a.ktk) if a.side == "ktkernel" else None, E, K, H, I,
+              max(512, -(-max(Ts) // 512) * 512))
+        return
     res = {"shape": dict(E=E, K=K, H=H, I=I), "threads": a.threads, "rows": [], "errors": {}}
     out_path = Path(a.out, f"ktkernel_vs_kt_{a.side}.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
