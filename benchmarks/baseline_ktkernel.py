@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_moe import _copy  # noqa: E402  (this script's folder is on sys.path)
 from kt.cpu_ops.moe import CPUMoE  # noqa: E402
 from kt.cpu_ops.pool import CpuPool  # noqa: E402
 
@@ -84,9 +85,11 @@ def routing(gen, T, E, K):
 
 def serve(a, ext, E, K, H, I, max_len):
     """One side (a.side) as a server on stdin / stdout, one command per line: ``build SCHEME``
-    (a.copies fresh copies, replacing the last scheme's) -> ``@@built SECONDS``; ``call T SEED`` (x
-    and routing drawn from SEED, so both sides get the same inputs; the next copy) -> ``@@`` and
-    the call's seconds; ``quit``. It says ``@@ready`` first."""
+    (a.copies fresh copies, replacing the last scheme's) -> ``@@built SECONDS``; ``calls T SEED N``
+    (x and routing drawn from SEED, so both sides get the same inputs; N calls back to back, each
+    on the next copy, after an untimed one-token call) -> ``@@`` and the N calls' seconds;
+    ``idle T S`` (a call, then S seconds idle) -> the cores busy meanwhile;
+    ``quit``. It says ``@@ready`` first."""
     cpuinfer = ext.CPUInfer(a.threads) if a.side == "ktkernel" else None
     pool = CpuPool(a.threads) if a.side == "kt" else None
     gen = torch.Generator().manual_seed(1)
@@ -97,34 +100,56 @@ def serve(a, ext, E, K, H, I, max_len):
         if not cmd or cmd[0] == "quit":
             break
         if cmd[0] == "build":
+            # the copies hold the same values in their own memory (cold weights, built fast)
             t0 = time.time()
             layers = []
-            for _ in range(a.copies):
-                g = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(torch.bfloat16).contiguous()
-                u = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(torch.bfloat16).contiguous()
-                d = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(torch.bfloat16).contiguous()
-                if a.side == "ktkernel":
-                    kl = KtKernelLayer(ext, cpuinfer, cmd[1], g, u, d, max_len)
+            g = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(torch.bfloat16).contiguous()
+            u = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(torch.bfloat16).contiguous()
+            d = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(torch.bfloat16).contiguous()
+            for c in range(a.copies):
+                if a.side == "ktkernel":  # its own source copy too, should it read from it
+                    kl = KtKernelLayer(ext, cpuinfer, cmd[1], g.clone(), u.clone(), d.clone(), max_len)
                     kl.build(K)
                     layers.append(kl)
-                else:
+                elif c == 0:
                     layers.append(CPUMoE.from_tensors(g, u, d, scheme=cmd[1], pool=pool))
+                else:
+                    layers.append(CPUMoE(_copy(layers[0].w13), _copy(layers[0].w2), pool=pool))
             print(f"@@built {time.time() - t0:.1f}", flush=True)
-        elif cmd[0] == "call":
-            T, seed = int(cmd[1]), int(cmd[2])
-            g2 = torch.Generator().manual_seed(seed)
-            x = (torch.randn(T, H, generator=g2) * 0.5).to(torch.bfloat16).contiguous()
-            ids, w = routing(g2, T, E, K)
-            out = torch.empty(T, H, dtype=torch.bfloat16)
-            qlen = torch.tensor([T], dtype=torch.int32)
-            layer = layers[n % len(layers)]
-            n += 1
-            t0 = time.perf_counter()
+        elif cmd[0] == "idle":
+            # cores this process keeps busy during the S seconds after a call: its workers' spin
+            T, secs = int(cmd[1]), float(cmd[2])
+            x = (torch.randn(T, H, generator=gen) * 0.5).to(torch.bfloat16).contiguous()
+            ids, w = routing(gen, T, E, K)
             if a.side == "ktkernel":
-                layer(x, ids, w, out, qlen)
+                layers[0](x, ids, w, torch.empty(T, H, dtype=torch.bfloat16), torch.tensor([T], dtype=torch.int32))
             else:
-                layer(x, ids, w)
-            print(f"@@{time.perf_counter() - t0:.9f}", flush=True)
+                layers[0](x, ids, w)
+            c0, t0 = time.process_time(), time.perf_counter()
+            time.sleep(secs)
+            print(f"@@{(time.process_time() - c0) / (time.perf_counter() - t0):.3f}", flush=True)
+        elif cmd[0] == "calls":
+            # inputs first, then an untimed one-token call (after an idle gap the workers are
+            # asleep), then the timed calls back to back, each on the next copy
+            T, seed, reps = int(cmd[1]), int(cmd[2]), int(cmd[3])
+            g2 = torch.Generator().manual_seed(seed)
+            args = []
+            for t in [1] + [T] * reps:
+                x = (torch.randn(t, H, generator=g2) * 0.5).to(torch.bfloat16).contiguous()
+                ids, w = routing(g2, t, E, K)
+                args.append((x, ids, w, torch.empty(t, H, dtype=torch.bfloat16),
+                             torch.tensor([t], dtype=torch.int32)))
+            times = []
+            for x, ids, w, out, qlen in args:
+                layer = layers[n % len(layers)]
+                n += 1
+                t0 = time.perf_counter()
+                if a.side == "ktkernel":
+                    layer(x, ids, w, out, qlen)
+                else:
+                    layer(x, ids, w)
+                times.append(time.perf_counter() - t0)
+            print("@@" + " ".join(f"{t:.9f}" for t in times[1:]), flush=True)
 
 
 def main():

@@ -7,7 +7,10 @@ own process (``baseline_ktkernel.py --serve``: its own threads, its own cold cop
 and this script alternates them: a pair is one kt call and one kt-kernel call on the same x and
 routing, ``--gap-s`` apart (so the other side's spinners have stopped), the order flipping every
 pair. A side's turn is an untimed one-token call that wakes its workers, then ``--block`` calls back
-to back (each on the next cold copy, with fresh routing), of which the fastest counts. The speed-up is read per pair (kt-kernel's time / kt's, both from the same moment) and as
+to back (each on the next cold copy, with fresh routing; all inputs made before the first), of
+which the fastest counts. Made between the calls, the inputs took long enough for kt's workers
+(which spin 2 ms, ``CpuPool(spin_us=...)``) to fall asleep before every call, but not kt-kernel's
+(which spin ~50 ms): on the device that made kt's T=512 calls 1.46x slower than back to back. The speed-up is read per pair (kt-kernel's time / kt's, both from the same moment) and as
 the ratio of the two sides' minima.
 
     python benchmarks/pair_ktkernel.py --ktk .ktk --ktk-python /tmp/py312/bin/python \\
@@ -78,10 +81,7 @@ def pairs(kt, ktk, T, n, gap, block, seed0):
         order = (kt, ktk) if p % 2 == 0 else (ktk, kt)
         t = {}
         for side in order:
-            # an untimed one-token call first: after the gap this side's workers are asleep
-            # (waking kt-kernel's costs milliseconds)
-            side.ask(f"call 1 {seed0 + p}")
-            t[side.name] = min(float(side.ask(f"call {T} {seed0 + p * block + i}")) for i in range(block))
+            t[side.name] = min(float(v) for v in side.ask(f"calls {T} {seed0 + p} {block}").split())
             time.sleep(gap)
         if p >= 0:
             out.append((t["kt"], t["kt-kernel"]))
@@ -147,6 +147,11 @@ def main(argv=None):
             b1 = kt.ask(f"build {scheme}")
             b2 = ktk.ask(f"build {scheme}")
             print(f"{scheme}: kt {b1}, kt-kernel {b2} (s)", flush=True)
+            if not res.get("idle_cores"):
+                # how long each side's workers keep spinning after a call (what --gap-s must cover)
+                res["idle_cores"] = {s.name: {str(g): float(s.ask(f"idle {Ts[0]} {g}")) for g in (0.1, 0.5, 1.0)}
+                                     for s in (kt, ktk)}
+                print(f"  cores busy in the seconds after a call: {res['idle_cores']}", flush=True)
             for T in Ts:
                 r = summarise(scheme, T, pairs(kt, ktk, T, a.pairs, a.gap_s, a.block, 1000 * T), a.threads, ktk_threads)
                 res["rows"].append(r)
