@@ -5,8 +5,8 @@ K=2048; T=512 gives ~32 rows per expert, T=2048 ~128), against the INT8 GEMM on 
 Every thread (1 or all cores) calls one kernel on its own weight copies in turn (cold: the copies of
 all threads together are >= --pool-gb), timed as calls per wall second over all threads. Parts:
 ``int8`` (``gemm_int8``), ``int4`` (``gemm_int4``: ratio check + ratio kernel), ``int4_pre`` (the
-ratio kernel with the ratios computed once beforehand), ``unpack`` (only the nibble unpacking of
-every block pair with its next-pair prefetch, as the ratio kernel does it, no tiles; ``unpack_div``
+kernel ``gemm_int4`` picks, inline or staged, with the ratios computed once beforehand), ``unpack`` (only the nibble unpacking of
+every block pair with its next-pair prefetch, as the ratio kernels do it, no tiles; ``unpack_div``
 the same with each line's group found by a division, as before session 10) and ``ratios`` (only
 ``_int4_ratios``); ``*_warm``: the same on the thread's first copy every call. With 16 threads the
 short calls (``ratios``) mostly time the GIL hand-offs between calls.
@@ -48,7 +48,12 @@ def kernels():
 
     @njit(nogil=True)
     def int4_pre(xq, xs, data, srow, rx, out):
-        K.gemm_int4_ratio(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], K.default_mc(xq.shape[1]), True)
+        # what gemm_int4 runs after its ratio check
+        if xq.shape[0] <= 32:
+            K.gemm_int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True)
+        else:
+            K.gemm_int4_staged(xq, xs, data, 64, srow, rx, out, 0, data.shape[0],
+                               K.default_mc(xq.shape[1]), 16, True, True)
 
     @njit(nogil=True)
     def unpack(data, rx, bs, div):
