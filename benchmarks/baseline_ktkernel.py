@@ -122,7 +122,8 @@ def serve(a, ext, E, K, H, I, max_len):
             x = (torch.randn(T, H, generator=gen) * 0.5).to(torch.bfloat16).contiguous()
             ids, w = routing(gen, T, E, K)
             if a.side == "ktkernel":
-                layers[0](x, ids, w, torch.empty(T, H, dtype=torch.bfloat16), torch.tensor([T], dtype=torch.int32))
+                layers[0](x, ids, w, torch.empty(T, H, dtype=torch.bfloat16),
+                          torch.tensor([T], dtype=torch.int32))
             else:
                 layers[0](x, ids, w)
             c0, t0 = time.process_time(), time.perf_counter()

@@ -1,17 +1,17 @@
 """kt vs kt-kernel 0.7.2, call by call: two server processes, their calls alternated in pairs.
 
 The machines this runs on switch between a fast and a slow state within minutes, and each library's
-idle worker threads spin for a while after a call (kt-kernel's ~0.1-0.2 s, kt's a few ms), which
+idle worker threads spin for a while after a call (kt-kernel's for ~0.1 s, kt's for 2 ms), which
 stole cores from the other library when both ran in one process. So each side runs alone in its
 own process (``baseline_ktkernel.py --serve``: its own threads, its own cold copies of the layer),
 and this script alternates them: a pair is one kt call and one kt-kernel call on the same x and
 routing, ``--gap-s`` apart (so the other side's spinners have stopped), the order flipping every
 pair. A side's turn is an untimed one-token call that wakes its workers, then ``--block`` calls back
 to back (each on the next cold copy, with fresh routing; all inputs made before the first), of
-which the fastest counts. Made between the calls, the inputs took long enough for kt's workers
-(which spin 2 ms, ``CpuPool(spin_us=...)``) to fall asleep before every call, but not kt-kernel's
-(which spin ~50 ms): on the device that made kt's T=512 calls 1.46x slower than back to back. The speed-up is read per pair (kt-kernel's time / kt's, both from the same moment) and as
-the ratio of the two sides' minima.
+which the fastest counts: inputs made between the calls (torch ops) let kt's workers fall asleep
+before every call (``CpuPool(spin_us=...)``) and slowed both sides, kt's INT8 T=512 calls on the
+device from 5.8 to 10.5 ms, kt-kernel's from 11.4 to 19.0. The speed-up is read per pair
+(kt-kernel's time / kt's, both from the same moment) and as the ratio of the two sides' minima.
 
     python benchmarks/pair_ktkernel.py --ktk .ktk --ktk-python /tmp/py312/bin/python \\
         --threads 2 --schemes int8,int4 --T 512 --pairs 12 --out benchmarks/results/pairs_dev
@@ -149,11 +149,12 @@ def main(argv=None):
             print(f"{scheme}: kt {b1}, kt-kernel {b2} (s)", flush=True)
             if not res.get("idle_cores"):
                 # how long each side's workers keep spinning after a call (what --gap-s must cover)
-                res["idle_cores"] = {s.name: {str(g): float(s.ask(f"idle {Ts[0]} {g}")) for g in (0.1, 0.5, 1.0)}
-                                     for s in (kt, ktk)}
+                res["idle_cores"] = {s.name: {str(g): float(s.ask(f"idle {Ts[0]} {g}"))
+                                              for g in (0.1, 0.5, 1.0)} for s in (kt, ktk)}
                 print(f"  cores busy in the seconds after a call: {res['idle_cores']}", flush=True)
             for T in Ts:
-                r = summarise(scheme, T, pairs(kt, ktk, T, a.pairs, a.gap_s, a.block, 1000 * T), a.threads, ktk_threads)
+                ps = pairs(kt, ktk, T, a.pairs, a.gap_s, a.block, 1000 * T)
+                r = summarise(scheme, T, ps, a.threads, ktk_threads)
                 res["rows"].append(r)
                 print(f"  T={T:5d}: kt {r['kt_min_ms']:.2f} / {r['kt_med_ms']:.2f} ms, kt-kernel "
                       f"{r['ktk_min_ms']:.2f} / {r['ktk_med_ms']:.2f} ms (min / median); speed-up "
