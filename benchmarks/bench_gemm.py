@@ -227,7 +227,6 @@ def measure_bandwidth(gib: float = 1.0, piece: int = 4 << 20) -> dict:
         wall = threads_wall(work, 2)
         best2 = max(best2, sum(got) / wall / 1e9)
     res["2_thread_GBps"] = round(best2, 2)
-    del buf
     return res
 
 
@@ -302,7 +301,10 @@ def huge_empty(shape, dtype) -> np.ndarray:
     import mmap
 
     n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    mm = mmap.mmap(-1, n + (4 << 20))
+    # private: Python's anonymous mmap is MAP_SHARED by default, i.e. shmem, which gets huge pages
+    # only under /sys/kernel/mm/transparent_hugepage/shmem_enabled ("never" on the dev machine:
+    # before session 19 these buffers were 2 MiB-aligned 4 KiB pages)
+    mm = mmap.mmap(-1, n + (4 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = np.frombuffer(mm, np.uint8)  # (holds the mapping for as long as the array lives)
     off = -base.ctypes.data % (2 << 20)
     if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -349,8 +351,18 @@ def time_case(scheme, kvariants, m, n, d, reps, rng) -> list[dict]:
                 read_rates.append(nbytes / (time.thread_time() - c0))
         for v in kvariants:
             k = ops[v][1]
+            if not cold:
+                # untimed calls first, at least 3 ms of them: a warm AMX GEMM right after the other
+                # variants' (tens of ms of AVX-512 / AVX2 work) took 1.7x as long as one after
+                # itself (M=512, session 19; one untimed call left 1.1x), a switching cost the MoE
+                # layer, whose threads stay on one kernel family, does not pay
+                w0 = time.perf_counter()
+                while True:
+                    gemm.launch(k, pool[0], bufs, out)
+                    if time.perf_counter() - w0 >= 3e-3:
+                        break
             # cold: one call per pool copy so each reads weights not touched for >= 256 MB.
-            for _c in range(calls if cold else 1):
+            for _c in range(calls if cold else 2):
                 p = pool[i % copies]
                 i += 1
                 c0 = time.thread_time()
