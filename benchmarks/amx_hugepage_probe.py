@@ -8,6 +8,9 @@ its 3 MB output (as in bench_gemm.py and amx_int4_ratio_probe.py) sit in 4 KiB p
 wherever the allocator put them, while the MoE layer's stacked weights get huge pages. Session 17
 (runs 11-12): 1.3-1.4x faster in huge pages in every round, and the same from copy to copy (4 KiB
 copies differed by up to 1.3x); the layer itself (weights_pages_probe.py) showed no difference.
+Session 19: ``huge_empty`` was a shared anonymous mapping then, which got no huge pages on these
+hosts (shmem THP off), so that gain was a fresh 2 MiB-aligned mapping against a NumPy allocation,
+not the page size; it now maps privately (real huge pages), with no further gain.
 
 Device:  PYTHONPATH=. python3 benchmarks/amx_hugepage_probe.py
 """

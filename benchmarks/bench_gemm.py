@@ -293,11 +293,13 @@ def distinct_kernels(scheme: QuantScheme, variants) -> list[str]:
 
 
 def huge_empty(shape, dtype) -> np.ndarray:
-    """An array in its own anonymous mapping, 2 MiB-aligned, with transparent huge pages asked for
-    (madvise; Linux with THP in "madvise" or "always" mode): what a layer's stacked weights get, since
-    NumPy asks for huge pages on arrays from 4 MiB. A single matrix of a few MB otherwise sits in
-    4 KiB pages wherever the allocator put it; the one-core AMX GEMM at M=512 ran 1.3-1.4x slower
-    so, and differently from one allocation to the next (amx_hugepage_probe.py, session 17)."""
+    """An array in its own private anonymous mapping, 2 MiB-aligned, with transparent huge pages
+    asked for (madvise; Linux with THP in "madvise" or "always" mode): what a layer's stacked
+    weights get, since NumPy asks for huge pages on arrays from 4 MiB. A single matrix of a few MB
+    otherwise sits in 4 KiB pages wherever the allocator put it. Session 17 measured the one-core
+    AMX GEMM at M=512 1.3-1.4x faster in these buffers (amx_hugepage_probe.py), but they were
+    shared mappings then and got no huge pages (session 19): the gain came from the fresh aligned
+    mapping; in real huge pages the GEMM reads the same."""
     import mmap
 
     n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
