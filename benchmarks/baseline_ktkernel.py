@@ -94,6 +94,18 @@ def serve(a, ext, E, K, H, I, max_len):
     pool = CpuPool(a.threads) if a.side == "kt" else None
     gen = torch.Generator().manual_seed(1)
     layers, n = [], 0
+
+    def inputs(g, t):  # one call's operands (both sides get the same from the same generator)
+        x = (torch.randn(t, H, generator=g) * 0.5).to(torch.bfloat16).contiguous()
+        ids, w = routing(g, t, E, K)
+        return x, ids, w, torch.empty(t, H, dtype=torch.bfloat16), torch.tensor([t], dtype=torch.int32)
+
+    def run(layer, x, ids, w, out, qlen):
+        if a.side == "ktkernel":
+            layer(x, ids, w, out, qlen)
+        else:
+            layer(x, ids, w)
+
     print("@@ready", flush=True)  # replies start with @@: the libraries print lines of their own
     for line in sys.stdin:
         cmd = line.split()
@@ -119,13 +131,7 @@ def serve(a, ext, E, K, H, I, max_len):
         elif cmd[0] == "idle":
             # cores this process keeps busy during the S seconds after a call: its workers' spin
             T, secs = int(cmd[1]), float(cmd[2])
-            x = (torch.randn(T, H, generator=gen) * 0.5).to(torch.bfloat16).contiguous()
-            ids, w = routing(gen, T, E, K)
-            if a.side == "ktkernel":
-                layers[0](x, ids, w, torch.empty(T, H, dtype=torch.bfloat16),
-                          torch.tensor([T], dtype=torch.int32))
-            else:
-                layers[0](x, ids, w)
+            run(layers[0], *inputs(gen, T))
             c0, t0 = time.process_time(), time.perf_counter()
             time.sleep(secs)
             print(f"@@{(time.process_time() - c0) / (time.perf_counter() - t0):.3f}", flush=True)
@@ -134,21 +140,13 @@ def serve(a, ext, E, K, H, I, max_len):
             # asleep), then the timed calls back to back, each on the next copy
             T, seed, reps = int(cmd[1]), int(cmd[2]), int(cmd[3])
             g2 = torch.Generator().manual_seed(seed)
-            args = []
-            for t in [1] + [T] * reps:
-                x = (torch.randn(t, H, generator=g2) * 0.5).to(torch.bfloat16).contiguous()
-                ids, w = routing(g2, t, E, K)
-                args.append((x, ids, w, torch.empty(t, H, dtype=torch.bfloat16),
-                             torch.tensor([t], dtype=torch.int32)))
+            args = [inputs(g2, t) for t in [1] + [T] * reps]
             times = []
-            for x, ids, w, out, qlen in args:
+            for arg in args:
                 layer = layers[n % len(layers)]
                 n += 1
                 t0 = time.perf_counter()
-                if a.side == "ktkernel":
-                    layer(x, ids, w, out, qlen)
-                else:
-                    layer(x, ids, w)
+                run(layer, *arg)
                 times.append(time.perf_counter() - t0)
             print("@@" + " ".join(f"{t:.9f}" for t in times[1:]), flush=True)
 
