@@ -57,6 +57,11 @@ def kernels():
                                K.default_mc(xq.shape[1]), 16, True, True)
 
     @njit(nogil=True)
+    def int4_keep(xq, xs, data, srow, rx, out):
+        # the inline kernel at any M, the first panel's unpacked pair kept for the later panels
+        K.gemm_int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True, True)
+
+    @njit(nogil=True)
     def unpack(data, rx, bs, div):
         # the ratio kernel's unpacking of every block pair, its next-pair prefetch included;
         # div: each line's group found as j // lpg (the kernel before session 10)
@@ -86,7 +91,7 @@ def kernels():
     def ratios(scale, srow, rx):
         K._int4_ratios(scale, 0, scale.shape[0], srow, rx)
 
-    return K, int8, int4, int4_pre, unpack, ratios
+    return K, int8, int4, int4_pre, int4_keep, unpack, ratios
 
 
 def run_threads(nthreads, fn_of_thread, calls):
@@ -126,7 +131,7 @@ def main():
     a = ap.parse_args()
     if "amx" not in isa.runnable_variants():
         sys.exit("needs a host that runs AMX")
-    K, f8, f4, f4p, funp, frat = kernels()
+    K, f8, f4, f4p, f4k, funp, frat = kernels()
     n, d = 1536, 2048
     rng = np.random.default_rng(0)
     w = rng.standard_normal((n, d), dtype=np.float32) / np.float32(np.sqrt(d))
@@ -159,6 +164,8 @@ def main():
             "int4": (p4.data.nbytes, lambda t: lambda i: f4(xq, xs, c4[t][i % per], p4.scale, outs[t])),
             "int4_pre": (p4.data.nbytes, lambda t: lambda i: f4p(xq, xs, c4[t][i % per], srows[t], rxs[t],
                                                                  outs[t])),
+            "int4_keep": (p4.data.nbytes, lambda t: lambda i: f4k(xq, xs, c4[t][i % per], srows[t], rxs[t],
+                                                                  outs[t])),
             "unpack": (p4.data.nbytes, lambda t: lambda i: funp(c4[t][i % per], rxs[t], bss[t], False)),
             "unpack_div": (p4.data.nbytes, lambda t: lambda i: funp(c4[t][i % per], rxs[t], bss[t], True)),
             "ratios": (0, lambda t: lambda i: frat(p4.scale, srows[t], rxs[t])),

@@ -953,14 +953,17 @@ def _unpack_kstep(data, b, lines, s, lpg, ng, lb, rx, bs, bo):
 
 
 @njit(nogil=True, cache=True)
-def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw):
+def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep=False):
     """Small-M INT4 (the experts of a prefill layer: tens of rows) on ratio scales, as
     ``gemm_int4_staged`` computes it but unpacking each k-step's two B tiles just before its
     products, into a two-slot ring of 2 KiB that stays in L1, instead of a whole block pair into a
     64 KiB buffer first: the unpack of k-step s + 1 (vector work) runs while the tile unit does
     k-step s. Every 32-row panel unpacks again, so this pays only for one or two panels (at M=32
     the pair unpack was ~40 % of the call). l2 > 0: prefetch the packed lines of the block pair l2
-    pairs ahead into L2, a k-step's worth per k-step. pfw as ``gemm_int8_staged``. Same result as
+    pairs ahead into L2, a k-step's worth per k-step. pfw as ``gemm_int8_staged``. keep: the first
+    panel unpacks every k-step into a whole-K buffer of the pair (2 KiB per k-step) instead of the
+    ring, and the later panels multiply from it without unpacking again (for 2-4 panels: the
+    unpack still overlaps the first panel's products, once per pair). Same result as
     ``gemm_int4_staged``."""
     g = group_size
     ks = xq.shape[1] // 64
@@ -971,7 +974,9 @@ def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw)
     ost = out.strides[0] // 4
     ap = _pack_a(xq, ks, 64)
     mpad = ap.shape[0] * 16
-    ring = empty_line(4096, np.int8)   # 2 slots x (block 0, block 1) x 1 KiB
+    keep = keep and mpad > 32
+    # 2 slots (keep: ks slots) x (block 0, block 1) x 1 KiB
+    ring = empty_line(ks * 2048 if keep else 4096, np.int8)
     cp, cpart, st = _staged_buffers(32)
     cpf = cp.view(np.float32)
     cfg = np.zeros(64, np.uint8)
@@ -992,15 +997,17 @@ def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw)
             tilezero(1)
             tilezero(2)
             tilezero(3)
-            _unpack_kstep(data, b, lines, 0, lpg, ng, b - nb0, rx, ring, 0)
-            _unpack_kstep(data, b1, lines, 0, lpg, ng, b1 - nb0, rx, ring, 1024)
+            unp = mp == 0 or not keep
+            if unp:
+                _unpack_kstep(data, b, lines, 0, lpg, ng, b - nb0, rx, ring, 0)
+                _unpack_kstep(data, b1, lines, 0, lpg, ng, b1 - nb0, rx, ring, 1024)
             tileloadd64(4, ap, a0, 64)
             tileloadd64(6, ring, 0, 64)
             tileloadd64(5, ap, a1, 64)
             tileloadd64(7, ring, 1024, 64)
             for s in range(ks):
                 nxt = s + 1 < ks
-                so = ((s + 1) % 2) * 2048     # the ring slot of k-step s + 1
+                so = (s + 1 if keep else (s + 1) % 2) * 2048     # the ring slot of k-step s + 1
                 if l2 > 0 and mp == 0 and pb < nb1:
                     for j in range(8 * s, 8 * s + 8):
                         prefetch_l2(data, (pb * lines + j) * 64)
@@ -1015,8 +1022,9 @@ def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw)
                 if st[0] >= 0:
                     _drain(out, ost, cp, cpf, st, s * dper, (s + 1) * dper, False, srow, xs)
                 if nxt:
-                    _unpack_kstep(data, b, lines, s + 1, lpg, ng, b - nb0, rx, ring, so)
-                    _unpack_kstep(data, b1, lines, s + 1, lpg, ng, b1 - nb0, rx, ring, so + 1024)
+                    if unp:
+                        _unpack_kstep(data, b, lines, s + 1, lpg, ng, b - nb0, rx, ring, so)
+                        _unpack_kstep(data, b1, lines, s + 1, lpg, ng, b1 - nb0, rx, ring, so + 1024)
                     tileloadd64(4, ap, a0 + (s + 1) * 1024, 64)
                 tdpbssd(2, 5, 6)
                 if nxt:
@@ -1039,21 +1047,26 @@ def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw)
     tilerelease()
 
 
+# the most rows gemm_int4 gives its inline kernel (keep mode); more go to the staged kernel
+INT4_INLINE_MAX_M = 128
+
+
 @njit(nogil=True, cache=True)
 def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """Large-M INT4 (same contract as ``gemv_int4``). Scales of the quantiser's form s_row * r_g
     (every matrix ``reference.quantize`` or the converter made): ``gemm_int4_staged``, INT8 speed
-    with no per-group flush; up to 32 rows (one panel) ``gemm_int4_inline``, which unpacks as it
-    multiplies (one core, M=20-32, cold weights: 1.2-1.5x the staged kernel, medians; at M=48 it
-    was slower: every panel unpacks again). Other scales (weights quantised elsewhere): ``gemm_int4_blocked``,
-    2x2 tiles with the per-group fp32 flush."""
+    with no per-group flush; up to 128 rows (four panels) ``gemm_int4_inline``, which unpacks as it
+    multiplies (one core, M=20-32, cold weights: 1.2-1.5x the staged kernel, medians), its first
+    panel keeping the unpacked pair for the others (the qwen3 INT4 layer on two threads, T=512 /
+    2048: 7.5 / 10 % faster than with the staged kernel above 32 rows, session 20). Other scales
+    (weights quantised elsewhere): ``gemm_int4_blocked``, 2x2 tiles with the per-group fp32 flush."""
     nbr = max(nb1 - nb0, 0)
     srow = empty_line(nbr * 16, np.float32)
     rx = empty_line(nbr * scale.shape[1] * 64, np.int8)
     mc = default_mc(xq.shape[1])
     if _int4_ratios(scale, nb0, nb1, srow, rx):
-        if xq.shape[0] <= 32:
-            gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, True)
+        if xq.shape[0] <= INT4_INLINE_MAX_M:
+            gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, True, True)
         else:
             gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True)
         return
