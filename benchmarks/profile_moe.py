@@ -248,7 +248,7 @@ def _amx_variants(scheme):
         def ratio(staged):
             """On the quantiser's ratio scales: the whole-K pipelined kernel gemm_int4 used in
             sessions 9-17 (staged False), or the staged kernel at every M (gemm_int4 itself takes
-            gemm_int4_inline up to 32 rows); other scales: gemm_int4."""
+            gemm_int4_inline up to KA.INT4_INLINE_MAX_M rows); other scales: gemm_int4."""
             @njit(nogil=True)
             def kr(xq, xs, data, scale, group_size, out, nb0, nb1):
                 nbr = max(nb1 - nb0, 0)
@@ -264,23 +264,27 @@ def _amx_variants(scheme):
                     KA.gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, True)
             return kr
 
-        def keep(mmax):
-            """gemm_int4 with the inline kernel's keep mode up to mmax rows (the first panel's
-            unpacked pair reused by the later ones) instead of the staged kernel above 32."""
+        def inline(mmax):
+            """On the quantiser's ratio scales: the inline kernel (keep mode) up to mmax rows, the
+            staged kernel above (gemm_int4 itself: up to KA.INT4_INLINE_MAX_M rows; before session
+            20: 32 rows, no keep mode, which inline(32) is)."""
             @njit(nogil=True)
             def kk(xq, xs, data, scale, group_size, out, nb0, nb1):
                 nbr = max(nb1 - nb0, 0)
                 srow = np.empty(nbr * 16, np.float32)
                 rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
-                if xq.shape[0] <= mmax and KA._int4_ratios(scale, nb0, nb1, srow, rx):
+                if not KA._int4_ratios(scale, nb0, nb1, srow, rx):
+                    KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
+                elif xq.shape[0] <= mmax:
                     KA.gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, True,
                                         True)
                 else:
-                    KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
+                    KA.gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1,
+                                        KA.default_mc(xq.shape[1]), 16, True, True)
             return kk
 
-        return {"i4flush": k4, "pipe": ratio(False), "no_inline": ratio(True), "keep64": keep(64),
-                "keep128": keep(128)}
+        return {"i4flush": k4, "pipe": ratio(False), "no_inline": ratio(True),
+                "inline32": inline(32), "inline64": inline(64), "inline256": inline(256)}
     return {"blocked": k, "no_pfw": k8, "pipe": dist(2), "l2d0": dist(0), "l2d1": dist(1),
             "l2d3": dist(3), "l2d4": dist(4), "st_kc8": staged(8, False), "st_kc32": staged(32, False),
             "st_pfw": staged(16, True)}
