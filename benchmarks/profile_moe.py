@@ -284,7 +284,8 @@ def _amx_variants(scheme):
             return kk
 
         return {"i4flush": k4, "pipe": ratio(False), "no_inline": ratio(True),
-                "inline32": inline(32), "inline64": inline(64), "inline256": inline(256)}
+                "inline32": inline(32), "inline64": inline(64), "inline128": inline(128),
+                "inline256": inline(256)}
     return {"blocked": k, "no_pfw": k8, "pipe": dist(2), "l2d0": dist(0), "l2d1": dist(1),
             "l2d3": dist(3), "l2d4": dist(4), "st_kc8": staged(8, False), "st_kc32": staged(32, False),
             "st_pfw": staged(16, True)}
@@ -370,6 +371,8 @@ def main(argv=None):
     ap.add_argument("--variant-T", default="512,2048")
     ap.add_argument("--variant-names", default="",
                     help="comma list of the variants to run besides default (empty: all)")
+    ap.add_argument("--variant-reps", type=int, default=0,
+                    help="calls per variant (default: 6 at T >= 512, 20 above T=8, else 100)")
     ap.add_argument("--no-gemm", action="store_true", help="skip the one-core GEMM part")
     ap.add_argument("--x-bf16", action="store_true",
                     help="bf16 input and output (torch tensors), as a model serves the layer")
@@ -486,7 +489,8 @@ def main(argv=None):
                 decode_only = ("nopipe", "d4", "d8", "gvmax+1")
                 vt = {n: v for n, v in vars_.items()
                       if T <= 64 or not (n.startswith(("bpt", "i4pf")) or n in decode_only)}
-                res = interleaved(vt, T, 6 if T >= 512 else (100 if T <= 8 else 20), rng, a.shape)
+                reps = a.variant_reps or (6 if T >= 512 else (100 if T <= 8 else 20))
+                res = interleaved(vt, T, reps, rng, a.shape)
                 for n, v in res.items():
                     rows.append({"part": "variants", "scheme": sname, "T": T, "variant": n, **v})
                 print(f"  variants T={T}: " + "  ".join(

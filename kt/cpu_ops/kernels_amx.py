@@ -64,6 +64,7 @@ AMX_MODE = require_amx()
 cache.install()
 
 _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8/BF16 bodies (unused)
+_NO_SCALE = np.zeros((1, 1, 16), np.float32)  # INT4 group scales of a call that does not read them
 
 __all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
@@ -826,27 +827,35 @@ def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, l2
 
 
 @njit(nogil=True, cache=True)
+def _block_ratios(scale, b, lb, srow, rx, m, inv):
+    """``_int4_ratios`` for block b alone, stored as the lb-th block of srow / rx (m, inv: 16-float
+    scratch lines)."""
+    ng = scale.shape[1]
+    m[:] = 0.0
+    for g in range(ng):
+        row16_max(m, 0, scale, (b * ng + g) * 16)
+    for c in range(16):
+        sr = np.float32(m[c] / np.float32(INT4_RATIO_MAX))
+        srow[lb * 16 + c] = sr
+        inv[c] = np.float32(np.float32(1.0) / sr) if sr > 0 else np.float32(0.0)
+    for g in range(ng):
+        if not ratio_row16(scale, (b * ng + g) * 16, inv, 0, srow, lb * 16, rx, (lb * ng + g) * 64,
+                           INT4_RATIO_MAX):
+            return False
+    return True
+
+
+@njit(nogil=True, cache=True)
 def _int4_ratios(scale, nb0, nb1, srow, rx):
     """Whether every group scale of blocks [nb0, nb1) is s_row * r_g with r_g an integer in
     [0, INT4_RATIO_MAX] (``reference.int4_ratio_scales``, the quantiser's rule); if so, srow
     [16 (nb1 - nb0)] holds each column's s_row and rx [(nb1 - nb0) * ng * 64] each (block, group)'s
     16 ratios, each repeated for its 4 k (the byte order of a packed k4 row)."""
-    ng = scale.shape[1]
     m = empty_line(16, np.float32)
     inv = empty_line(16, np.float32)
     for b in range(nb0, nb1):
-        lb = b - nb0
-        m[:] = 0.0
-        for g in range(ng):
-            row16_max(m, 0, scale, (b * ng + g) * 16)
-        for c in range(16):
-            sr = np.float32(m[c] / np.float32(INT4_RATIO_MAX))
-            srow[lb * 16 + c] = sr
-            inv[c] = np.float32(np.float32(1.0) / sr) if sr > 0 else np.float32(0.0)
-        for g in range(ng):
-            if not ratio_row16(scale, (b * ng + g) * 16, inv, 0, srow, lb * 16, rx, (lb * ng + g) * 64,
-                               INT4_RATIO_MAX):
-                return False
+        if not _block_ratios(scale, b, b - nb0, srow, rx, m, inv):
+            return False
     return True
 
 
@@ -965,6 +974,16 @@ def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw,
     ring, and the later panels multiply from it without unpacking again (for 2-4 panels: the
     unpack still overlaps the first panel's products, once per pair). Same result as
     ``gemm_int4_staged``."""
+    _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, _NO_SCALE, False)
+
+
+@njit(nogil=True, cache=True)
+def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, scale, lazy):
+    """The body of ``gemm_int4_inline``. lazy: srow / rx are not made yet; each block pair's
+    ratios are made from ``scale`` (``_block_ratios``) just before the pair is first unpacked, and
+    the group scales of the pair l2 ahead are prefetched with its packed lines, so reading the
+    scales overlaps the products instead of preceding the call. Returns nb1, or (lazy) the first
+    block whose scales are not of the ratio form: blocks from there on are not computed."""
     g = group_size
     ks = xq.shape[1] // 64
     ng = xq.shape[1] // g
@@ -979,12 +998,23 @@ def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw,
     ring = empty_line(ks * 2048 if keep else 4096, np.int8)
     cp, cpart, st = _staged_buffers(32)
     cpf = cp.view(np.float32)
+    mx = empty_line(16, np.float32)
+    inv = empty_line(16, np.float32)
+    sper = (ng + ks - 1) // ks          # scale lines (16 floats: one group of a block) per k-step
     cfg = np.zeros(64, np.uint8)
     _config(cfg, 16, 64)
+    stop = nb1
     for b in range(nb0, nb1, 2):
         two = b + 1 < nb1
         b1 = b + 1 if two else b
         pb = b + 2 * l2
+        if lazy:
+            if not _block_ratios(scale, b, b - nb0, srow, rx, mx, inv):
+                stop = b
+                break
+            if two and not _block_ratios(scale, b1, b1 - nb0, srow, rx, mx, inv):
+                stop = b
+                break
         for mp in range(0, mpad, 32):
             a0 = (mp // 16) * ks * 1024
             a1 = a0 + ks * 1024
@@ -1013,6 +1043,11 @@ def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw,
                         prefetch_l2(data, (pb * lines + j) * 64)
                         if pb + 1 < nb1:
                             prefetch_l2(data, ((pb + 1) * lines + j) * 64)
+                    if lazy:
+                        for q in range(s * sper, min((s + 1) * sper, ng)):
+                            prefetch_l2(scale, (pb * ng + q) * 16)
+                            if pb + 1 < nb1:
+                                prefetch_l2(scale, ((pb + 1) * ng + q) * 16)
                 for q in range(s * wper, min((s + 1) * wper, wrows)):
                     prefetch_w(out, wo + q * ost)
                     if two:
@@ -1045,6 +1080,7 @@ def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw,
     if st[0] >= 0:
         _drain(out, ost, cp, cpf, st, 0, 64, False, srow, xs)
     tilerelease()
+    return stop
 
 
 # the most rows gemm_int4 gives its inline kernel (keep mode); more go to the staged kernel
@@ -1064,14 +1100,15 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     srow = empty_line(nbr * 16, np.float32)
     rx = empty_line(nbr * scale.shape[1] * 64, np.int8)
     mc = default_mc(xq.shape[1])
-    if _int4_ratios(scale, nb0, nb1, srow, rx):
-        if xq.shape[0] <= INT4_INLINE_MAX_M:
-            gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, True, True)
-        else:
-            gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True)
+    if xq.shape[0] <= INT4_INLINE_MAX_M:
+        nb0 = _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, True, True, scale,
+                           True)
+    elif _int4_ratios(scale, nb0, nb1, srow, rx):
+        gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True)
         return
-    kc = max(512, group_size)
-    gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, True, True)
+    if nb0 < nb1:
+        kc = max(512, group_size)
+        gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, True, True)
 
 
 # ----------------------------------------------------------------------------- BF16

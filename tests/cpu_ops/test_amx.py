@@ -666,13 +666,43 @@ def _check_int4_fallback(mod):
     _check_within(want, out[:, :n], bound, "int4 gemm on non-ratio scales")
 
 
+def _check_int4_partial_fallback(mod):
+    """Scales of the ratio form in blocks 0-1 only (block 3's columns scaled off it): gemm_int4's
+    inline kernel, which makes each pair's ratios as it reaches the pair, computes blocks 0-1 and
+    stops at pair 2-3; the flush kernel computes blocks 2-4. Each part equals its kernel exactly."""
+    m, n, d = 40, 80, 256
+    x, w = _inputs(m, n, d, seed=6)
+    qw = ref.quantize(w, "int4", 64)
+    scale = qw.scale.copy()
+    scale[48:64] *= np.float32(1.01)
+    p = pack_quantized(ref.QuantizedWeight(qw.scheme, qw.q, scale, 64), 64)
+    nb, ng = p.num_blocks, p.scale.shape[1]
+    assert nb == 5
+    out = _run(mod, QuantScheme.INT4, "gemm", x, p)
+    xq, xs = ref.quantize_act(x)
+    xq = _pad_cols(xq, p.d_pad)
+    srow, rx = np.empty(2 * 16, np.float32), np.empty(2 * ng * 64, np.int8)
+    assert mod._int4_ratios(p.scale, 0, 2, srow, rx)
+    assert not mod._int4_ratios(p.scale, 2, 4, np.empty(2 * 16, np.float32), np.empty(2 * ng * 64, np.int8))
+    head = np.full_like(out, np.nan)
+    mod.gemm_int4_inline(xq, xs, p.data, 64, srow, rx, head, 0, 2, 1, True)
+    assert_exact(head[:, :32], out[:, :32], what="int4 gemm, ratio blocks vs the inline kernel")
+    tail = np.full_like(out, np.nan)
+    mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, tail, 2, nb, mod.default_mc(p.d_pad), 512, True, True)
+    assert_exact(tail[:, 32:], out[:, 32:], what="int4 gemm, the other blocks vs the flush kernel")
+    want, bound = _int_ref(x, ref.QuantizedWeight(qw.scheme, qw.q, scale, 64), d // 64)
+    _check_within(want, out[:, :n], bound, "int4 gemm on partly ratio scales")
+
+
 def test_emulated_int4_fallback(EK):
     _check_int4_fallback(EK)
+    _check_int4_partial_fallback(EK)
 
 
 @needs_amx
 def test_int4_fallback(K):
     _check_int4_fallback(K)
+    _check_int4_partial_fallback(K)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
