@@ -50,7 +50,8 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 from . import cache as _cache
-from .actquant import _u32_as_f32, bf16_bits_to_f32, bf16_row, f32_to_bf16_bits, quant_row_i8
+from .actquant import (_u32_as_f32, absmax_bits, bf16_bits_to_f32, bf16_row, f32_to_bf16_bits, quant_row_i8,
+                       quant_row_i8_max)
 from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, JOB_WATCHDOG, atomic_add,
                    atomic_load, atomic_store, flag_load, flag_store, icall_codegen,
                    native_address, spin_relax)
@@ -602,7 +603,8 @@ def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16, R, hoff):
     not), the up half as a slice (an index ``up_off + j`` may be negative to Numba, and its
     wraparound branch blocked vectorising), NumPy's error model (Python's raises on a zero
     divisor, a branch per element) and fused multiply-adds in the exp polynomial. Together 3x
-    faster than the plain loops."""
+    faster than the plain loops. One-level int8 takes the row's absolute maximum in the SiLU
+    loop (dev, one core, I=768 from L1: 0.76 vs 0.86 ns per element)."""
     for r in range(ra, rb, R):
         g = gu[r, :I]
         u = gu[r, up_off:up_off + I]
@@ -616,6 +618,15 @@ def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16, R, hoff):
         else:
             for j in range(I):
                 h[j] = exp_f32(-g[j])
+            if not bf16:
+                # the int8 row's absolute maximum taken in the SiLU pass (one pass less)
+                mb = np.uint32(0)
+                for j in range(I):
+                    v = g[j] / (np.float32(1.0) + h[j]) * u[j]
+                    h[j] = v
+                    mb = absmax_bits(v, mb)
+                hs[r + hoff] = quant_row_i8_max(h, hq[r + hoff], I, mb)
+                continue
             for j in range(I):
                 h[j] = g[j] / (np.float32(1.0) + h[j]) * u[j]
         _quant_rows(h, hq, hs, r + hoff, I, bf16, R)

@@ -44,20 +44,33 @@ def _f32_as_u32(typingctx, v):
     return types.uint32(v), codegen
 
 
+@njit(nogil=True, cache=True, inline="always")
+def absmax_bits(v, mb):
+    """max(mb, |v|'s fp32 bit pattern) (uint32): the running absolute maximum of ``quant_row_i8``,
+    as an integer max (it vectorises; an fp32 max with NaN semantics does not: 7x slower). Every
+    NaN pattern is above +inf's."""
+    b = _f32_as_u32(v) & np.uint32(0x7FFFFFFF)
+    return b if b > mb else mb
+
+
 @njit(nogil=True, cache=True)
 def quant_row_i8(src, dst, n):
     """Per-row symmetric int8 of src[:n] (fp32) into dst (int8, zero beyond n); returns the scale.
 
     Exactly reference.quantize_act: xs = amax / 127, q = clip(rint(x * (127 / amax))); a NaN in
     the row makes the scale NaN (so the row's outputs are NaN), an all-zero row has scale 0.
-    Branch-free loops, so that LLVM vectorises them; the absolute maximum is taken over the
-    bit patterns with the sign cleared (an integer max vectorises, an fp32 one with NaN semantics
-    does not: 7x faster), where every NaN pattern is above +inf's.
+    Branch-free loops, so that LLVM vectorises them.
     """
     mb = np.uint32(0)
     for j in range(n):
-        b = _f32_as_u32(src[j]) & np.uint32(0x7FFFFFFF)
-        mb = b if b > mb else mb
+        mb = absmax_bits(src[j], mb)
+    return quant_row_i8_max(src, dst, n, mb)
+
+
+@njit(nogil=True, cache=True)
+def quant_row_i8_max(src, dst, n, mb):
+    """``quant_row_i8`` with the row's absolute maximum already taken (mb: ``absmax_bits`` over
+    src[:n]), for a caller whose own loop over the row found it."""
     amax = _u32_as_f32(mb)
     if mb > np.uint32(0x7F800000):
         amax = np.float32(np.nan)
