@@ -283,7 +283,26 @@ def _amx_variants(scheme):
                                         KA.default_mc(xq.shape[1]), 16, True, True)
             return kk
 
+        def dist(l2):
+            """gemm_int4 with the inline kernel's L2 prefetch l2 block pairs ahead (default 1)."""
+            @njit(nogil=True)
+            def kd(xq, xs, data, scale, group_size, out, nb0, nb1):
+                if xq.shape[0] > KA.INT4_INLINE_MAX_M:
+                    KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
+                    return
+                nbr = max(nb1 - nb0, 0)
+                srow = np.empty(nbr * 16, np.float32)
+                rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
+                b = KA._int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, True, True,
+                                    scale, True)
+                if b < nb1:
+                    KA.gemm_int4_blocked(xq, xs, data, scale, group_size, out, b, nb1,
+                                         KA.default_mc(xq.shape[1]), max(512, group_size), True, True)
+            return kd
+
         return {"i4flush": k4, "pipe": ratio(False), "no_inline": ratio(True),
+                "i4l2d0": dist(0), "i4l2d2": dist(2), "i4l2d3": dist(3), "i4l2d4": dist(4),
+                "i4l2d6": dist(6),
                 "inline32": inline(32), "inline64": inline(64), "inline128": inline(128),
                 "inline256": inline(256)}
     return {"blocked": k, "no_pfw": k8, "pipe": dist(2), "l2d0": dist(0), "l2d1": dist(1),
