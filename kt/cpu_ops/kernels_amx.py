@@ -30,7 +30,9 @@ INT4 prefill: the quantiser's group scales are s_row * r_g with small integers r
 (``reference.int4_ratio_scales``), so ``gemm_int4`` unpacks each block pair to the int8 values
 r_g * q and runs the INT8 staged loop with one fp32 scaling at the end (``gemm_int4_staged``; its
 whole-K predecessor ``gemm_int4_ratio`` was 1.3 / 1.4x faster than the flush kernel at INT4
-T=512 / 2048 on 16 threads). Scales of another form take the flush kernel, ``gemm_int4_blocked``:
+T=512 / 2048 on 16 threads). Up to 128 rows (a prefill layer's experts) ``gemm_int4_inline``
+unpacks each k-step just before its products instead, once per block pair, and makes each pair's
+ratios as it reaches the pair. Scales of another form take the flush kernel, ``gemm_int4_blocked``:
 
 INT4 flush kernel: each group's nibbles are unpacked to *signed* int8 (q = nibble - 8) in a small scratch
 tile and multiplied with ``tdpbssd``; the int32 tile is flushed into an fp32 accumulator with the
