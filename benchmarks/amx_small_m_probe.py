@@ -5,7 +5,9 @@ K=2048; T=512 gives ~32 rows per expert, T=2048 ~128), against the INT8 GEMM on 
 Every thread (1 or all cores) calls one kernel on its own weight copies in turn (cold: the copies of
 all threads together are >= --pool-gb), timed as calls per wall second over all threads. Parts:
 ``int8`` (``gemm_int8``), ``int4`` (``gemm_int4``: ratio check + ratio kernel), ``int4_pre`` (the
-kernel ``gemm_int4`` picks, inline or staged, with the ratios computed once beforehand),
+kernel ``gemm_int4`` picked before session 20, inline up to 32 rows or staged, with the ratios
+computed once beforehand), ``int4_keep`` (the inline kernel at any M in keep mode, as ``gemm_int4``
+runs it up to 128 rows, the ratios computed beforehand),
 ``unpack`` (only the nibble unpacking of every block pair with its next-pair prefetch, as the
 ratio kernels do it, no tiles; ``unpack_div`` the same with each line's group found by a
 division, as before session 10) and ``ratios`` (only

@@ -985,7 +985,8 @@ def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, kee
     ratios are made from ``scale`` (``_block_ratios``) just before the pair is first unpacked, and
     the group scales of the pair l2 ahead are prefetched with its packed lines, so reading the
     scales overlaps the products instead of preceding the call. Returns nb1, or (lazy) the first
-    block whose scales are not of the ratio form: blocks from there on are not computed."""
+    block of the first pair with a block whose scales are not of the ratio form: the blocks from
+    there on are not computed."""
     g = group_size
     ks = xq.shape[1] // 64
     ng = xq.shape[1] // g
@@ -1096,8 +1097,10 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     with no per-group flush; up to 128 rows (four panels) ``gemm_int4_inline``, which unpacks as it
     multiplies (one core, M=20-32, cold weights: 1.2-1.5x the staged kernel, medians), its first
     panel keeping the unpacked pair for the others (the qwen3 INT4 layer on two threads, T=512 /
-    2048: 7.5 / 10 % faster than with the staged kernel above 32 rows, session 20). Other scales
-    (weights quantised elsewhere): ``gemm_int4_blocked``, 2x2 tiles with the per-group fp32 flush."""
+    2048: 7.5 / 10 % faster than with the staged kernel above 32 rows, session 20) and making each
+    block pair's ratios as it reaches the pair. Other scales (weights quantised elsewhere):
+    ``gemm_int4_blocked``, 2x2 tiles with the per-group fp32 flush, from the first pair whose
+    scales are not of the ratio form on."""
     nbr = max(nb1 - nb0, 0)
     srow = empty_line(nbr * 16, np.float32)
     rx = empty_line(nbr * scale.shape[1] * 64, np.int8)
