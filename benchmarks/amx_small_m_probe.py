@@ -11,9 +11,10 @@ runs it up to 128 rows, the ratios computed beforehand),
 ``unpack`` (only the nibble unpacking of every block pair with its next-pair prefetch, as the
 ratio kernels do it, no tiles; ``unpack_div`` the same with each line's group found by a
 division, as before session 10) and ``ratios`` (only
-``_int4_ratios``); ``*_warm``: the same on the thread's first copy every call. With 16 threads the
-short calls (``ratios``) mostly time the GIL hand-offs between calls.
-Rounds interleave the parts; min and median us per call and GB/s of weights per thread.
+``_int4_ratios``); ``*_warm``: the same on the thread's first copy every call. A thread's round
+of calls runs in one jitted loop (before session 20 each call came from Python, and with 16
+threads the GIL hand-offs added ~150 us per call). Rounds interleave the parts; min and median us
+per call (a round's wall time / its calls) and GB/s of weights per thread.
 
 Device:  PYTHONPATH=. python3 benchmarks/amx_small_m_probe.py --out $OUT
 """
@@ -38,60 +39,73 @@ from kt.cpu_ops.packing import pack  # noqa: E402
 
 
 def kernels():
+    """The probe's parts as jitted loops: each call runs ``calls`` kernel calls on the stacked weight
+    copies C ([copies, ...]; warm: always the first copy), so a thread takes the GIL once per
+    round, not once per kernel call (which cost ~150 us per call with 16 threads, session 10)."""
     from kt.cpu_ops import kernels_amx as K
     from kt.cpu_ops._amx import prefetch_l2, unpack_int4_line_mul
 
     @njit(nogil=True)
-    def int8(xq, xs, data, scale, wsum, out):
-        K.gemm_int8(xq, xs, data, scale, wsum, out, 0, data.shape[0])
+    def int8(xq, xs, C, scale, wsum, out, calls, warm):
+        for i in range(calls):
+            K.gemm_int8(xq, xs, C[0 if warm else i % C.shape[0]], scale, wsum, out, 0, C.shape[1])
 
     @njit(nogil=True)
-    def int4(xq, xs, data, scale, out):
-        K.gemm_int4(xq, xs, data, scale, 64, out, 0, data.shape[0])
+    def int4(xq, xs, C, scale, out, calls, warm):
+        for i in range(calls):
+            K.gemm_int4(xq, xs, C[0 if warm else i % C.shape[0]], scale, 64, out, 0, C.shape[1])
 
     @njit(nogil=True)
-    def int4_pre(xq, xs, data, srow, rx, out):
-        # what gemm_int4 runs after its ratio check
-        if xq.shape[0] <= 32:
-            K.gemm_int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True)
-        else:
-            K.gemm_int4_staged(xq, xs, data, 64, srow, rx, out, 0, data.shape[0],
-                               K.default_mc(xq.shape[1]), 16, True, True)
+    def int4_pre(xq, xs, C, srow, rx, out, calls, warm):
+        # what gemm_int4 ran before session 20 after its ratio check
+        for i in range(calls):
+            data = C[0 if warm else i % C.shape[0]]
+            if xq.shape[0] <= 32:
+                K.gemm_int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True)
+            else:
+                K.gemm_int4_staged(xq, xs, data, 64, srow, rx, out, 0, data.shape[0],
+                                   K.default_mc(xq.shape[1]), 16, True, True)
 
     @njit(nogil=True)
-    def int4_keep(xq, xs, data, srow, rx, out):
+    def int4_keep(xq, xs, C, srow, rx, out, calls, warm):
         # the inline kernel at any M, the first panel's unpacked pair kept for the later panels
-        K.gemm_int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True, True)
+        for i in range(calls):
+            data = C[0 if warm else i % C.shape[0]]
+            K.gemm_int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True, True)
 
     @njit(nogil=True)
-    def unpack(data, rx, bs, div):
+    def unpack(C, rx, bs, div, calls, warm):
         # the ratio kernel's unpacking of every block pair, its next-pair prefetch included;
         # div: each line's group found as j // lpg (the kernel before session 10)
-        nb, lines = data.shape[0], data.shape[1]
+        nb, lines = C.shape[1], C.shape[2]
         ng = rx.shape[0] // (nb * 64)
         lpg = lines // ng
         blk = lines * 128
-        for b in range(0, nb, 2):
-            for q in range(2):
-                nxt = b + 2 + q
-                ro = (b + q) * ng * 64
-                jg = 0
-                for j in range(lines):
-                    if nxt < nb:
-                        prefetch_l2(data, (nxt * lines + j) * 64)
-                    if div:
-                        unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
-                                             rx, ((b + q) * ng + j // lpg) * 64)
-                    else:
-                        unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro)
-                        jg += 1
-                        if jg == lpg:
-                            jg = 0
-                            ro += 64
+        for i in range(calls):
+            data = C[0 if warm else i % C.shape[0]]
+            for b in range(0, nb, 2):
+                for q in range(2):
+                    nxt = b + 2 + q
+                    ro = (b + q) * ng * 64
+                    jg = 0
+                    for j in range(lines):
+                        if nxt < nb:
+                            prefetch_l2(data, (nxt * lines + j) * 64)
+                        if div:
+                            unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
+                                                 rx, ((b + q) * ng + j // lpg) * 64)
+                        else:
+                            unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
+                                                 rx, ro)
+                            jg += 1
+                            if jg == lpg:
+                                jg = 0
+                                ro += 64
 
     @njit(nogil=True)
-    def ratios(scale, srow, rx):
-        K._int4_ratios(scale, 0, scale.shape[0], srow, rx)
+    def ratios(scale, srow, rx, calls):
+        for _ in range(calls):
+            K._int4_ratios(scale, 0, scale.shape[0], srow, rx)
 
     return K, int8, int4, int4_pre, int4_keep, unpack, ratios
 
@@ -146,12 +160,13 @@ def main():
     nmax = max(thread_counts)
     per = max(4, int(a.pool_gb * 2**30 / (p8.data.nbytes + p4.data.nbytes) / nmax))
     t0 = time.perf_counter()
-    c8 = [[K.empty_line(p8.data.size, np.int8).reshape(p8.data.shape) for _ in range(per)] for _ in range(nmax)]
-    c4 = [[K.empty_line(p4.data.size, np.uint8).reshape(p4.data.shape) for _ in range(per)] for _ in range(nmax)]
+    # each thread's copies stacked in one allocation (over 4 MiB: NumPy asks for huge pages, as for
+    # the layer's stacked weights)
+    c8 = [K.empty_line(per * p8.data.size, np.int8).reshape((per,) + p8.data.shape) for _ in range(nmax)]
+    c4 = [K.empty_line(per * p4.data.size, np.uint8).reshape((per,) + p4.data.shape) for _ in range(nmax)]
     for t in range(nmax):
-        for i in range(per):
-            c8[t][i][...] = p8.data
-            c4[t][i][...] = p4.data
+        c8[t][...] = p8.data
+        c4[t][...] = p4.data
     print(f"{nmax} x {per} copies of each weight in {time.perf_counter() - t0:.1f} s", flush=True)
     res = dict(shape=[n, d], copies_per_thread=per, rows=[])
     for m in [int(v) for v in a.M.split(",")]:
@@ -161,29 +176,27 @@ def main():
         bss = [K.empty_line(2 * p4.data.shape[1] * 128, np.int8) for _ in range(nmax)]
         srows = [srow.copy() for _ in range(nmax)]
         rxs = [rx.copy() for _ in range(nmax)]
-        parts = {
-            "int8": (p8.data.nbytes, lambda t: lambda i: f8(xq, xs, c8[t][i % per], p8.scale, p8.wsum, outs[t])),
-            "int4": (p4.data.nbytes, lambda t: lambda i: f4(xq, xs, c4[t][i % per], p4.scale, outs[t])),
-            "int4_pre": (p4.data.nbytes, lambda t: lambda i: f4p(xq, xs, c4[t][i % per], srows[t], rxs[t],
-                                                                 outs[t])),
-            "int4_keep": (p4.data.nbytes, lambda t: lambda i: f4k(xq, xs, c4[t][i % per], srows[t], rxs[t],
-                                                                  outs[t])),
-            "unpack": (p4.data.nbytes, lambda t: lambda i: funp(c4[t][i % per], rxs[t], bss[t], False)),
-            "unpack_div": (p4.data.nbytes, lambda t: lambda i: funp(c4[t][i % per], rxs[t], bss[t], True)),
-            "ratios": (0, lambda t: lambda i: frat(p4.scale, srows[t], rxs[t])),
+        parts = {  # name: (weight bytes per call, thread -> the thread's round of calls)
+            "int8": (p8.data.nbytes, lambda t, c: f8(xq, xs, c8[t], p8.scale, p8.wsum, outs[t], c, False)),
+            "int4": (p4.data.nbytes, lambda t, c: f4(xq, xs, c4[t], p4.scale, outs[t], c, False)),
+            "int4_pre": (p4.data.nbytes, lambda t, c: f4p(xq, xs, c4[t], srows[t], rxs[t], outs[t], c, False)),
+            "int4_keep": (p4.data.nbytes, lambda t, c: f4k(xq, xs, c4[t], srows[t], rxs[t], outs[t], c, False)),
+            "unpack": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], False, c, False)),
+            "unpack_div": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], True, c, False)),
+            "ratios": (0, lambda t, c: frat(p4.scale, srows[t], rxs[t], c)),
             # warm: the thread's first copy every call
-            "int8_warm": (p8.data.nbytes, lambda t: lambda i: f8(xq, xs, c8[t][0], p8.scale, p8.wsum, outs[t])),
-            "int4_pre_warm": (p4.data.nbytes, lambda t: lambda i: f4p(xq, xs, c4[t][0], srows[t], rxs[t],
-                                                                      outs[t])),
-            "unpack_warm": (p4.data.nbytes, lambda t: lambda i: funp(c4[t][0], rxs[t], bss[t], False)),
+            "int8_warm": (p8.data.nbytes, lambda t, c: f8(xq, xs, c8[t], p8.scale, p8.wsum, outs[t], c, True)),
+            "int4_pre_warm": (p4.data.nbytes, lambda t, c: f4p(xq, xs, c4[t], srows[t], rxs[t], outs[t], c,
+                                                                True)),
+            "unpack_warm": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], False, c, True)),
         }
         for nt in thread_counts:
-            for f in parts.values():  # compile and warm
-                run_threads(nt, f[1], 2)
+            for _, f in parts.values():  # compile and warm
+                run_threads(nt, lambda t: lambda i: f(t, 2), 1)
             ts = {k: [] for k in parts}
             for _ in range(a.rounds):
                 for k, (_, f) in parts.items():
-                    ts[k].append(run_threads(nt, f, per) / per)
+                    ts[k].append(run_threads(nt, lambda t: lambda i: f(t, per), 1) / per)
             for k, v in ts.items():
                 nbytes = parts[k][0]
                 row = dict(M=m, threads=nt, part=k, min_us=min(v) * 1e6, med_us=statistics.median(v) * 1e6,
