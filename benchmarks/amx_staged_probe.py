@@ -67,6 +67,12 @@ def _cases(K, scheme, m, n, d, rng):
                                                                            mcs, 16, 2, False, True)
         c["staged kc16 pfw"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 2,
                                                           True, True)
+        c["staged kc16 nonta"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 2,
+                                                            False, False)
+        c["staged kc16 l2d0"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 0,
+                                                           False, True)
+        c["staged kc16 l2d1"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 1,
+                                                           False, True)
         return c
     srow = np.empty(nb * 16, np.float32)
     rx = np.empty(nb * p.scale.shape[1] * 64, np.int8)
