@@ -7,7 +7,8 @@ all threads together are >= --pool-gb), timed as calls per wall second over all 
 ``int8`` (``gemm_int8``), ``int4`` (``gemm_int4``: ratio check + ratio kernel), ``int4_pre`` (the
 kernel ``gemm_int4`` picked before session 20, inline up to 32 rows or staged, with the ratios
 computed once beforehand), ``int4_keep`` (the inline kernel at any M in keep mode, as ``gemm_int4``
-runs it up to 128 rows, the ratios computed beforehand),
+runs it up to 128 rows, the ratios computed beforehand), ``int4_lazy`` (``gemm_int4``'s inline
+path, the ratios made pair by pair, on preallocated ratio tables),
 ``unpack`` (only the nibble unpacking of every block pair with its next-pair prefetch, as the
 ratio kernels do it, no tiles; ``unpack_div`` the same with each line's group found by a
 division, as before session 10) and ``ratios`` (only
@@ -74,6 +75,13 @@ def kernels():
             K.gemm_int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True, True)
 
     @njit(nogil=True)
+    def int4_lazy(xq, xs, C, scale, srow, rx, out, calls, warm):
+        # gemm_int4's inline path (ratios made pair by pair) on preallocated srow / rx
+        for i in range(calls):
+            data = C[0 if warm else i % C.shape[0]]
+            K._int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True, True, scale, True)
+
+    @njit(nogil=True)
     def unpack(C, rx, bs, div, calls, warm):
         # the ratio kernel's unpacking of every block pair, its next-pair prefetch included;
         # div: each line's group found as j // lpg (the kernel before session 10)
@@ -107,7 +115,7 @@ def kernels():
         for _ in range(calls):
             K._int4_ratios(scale, 0, scale.shape[0], srow, rx)
 
-    return K, int8, int4, int4_pre, int4_keep, unpack, ratios
+    return K, int8, int4, int4_pre, int4_keep, int4_lazy, unpack, ratios
 
 
 def run_threads(nthreads, fn_of_thread, calls):
@@ -147,7 +155,7 @@ def main():
     a = ap.parse_args()
     if "amx" not in isa.runnable_variants():
         sys.exit("needs a host that runs AMX")
-    K, f8, f4, f4p, f4k, funp, frat = kernels()
+    K, f8, f4, f4p, f4k, f4l, funp, frat = kernels()
     n, d = 1536, 2048
     rng = np.random.default_rng(0)
     w = rng.standard_normal((n, d), dtype=np.float32) / np.float32(np.sqrt(d))
@@ -181,6 +189,8 @@ def main():
             "int4": (p4.data.nbytes, lambda t, c: f4(xq, xs, c4[t], p4.scale, outs[t], c, False)),
             "int4_pre": (p4.data.nbytes, lambda t, c: f4p(xq, xs, c4[t], srows[t], rxs[t], outs[t], c, False)),
             "int4_keep": (p4.data.nbytes, lambda t, c: f4k(xq, xs, c4[t], srows[t], rxs[t], outs[t], c, False)),
+            "int4_lazy": (p4.data.nbytes, lambda t, c: f4l(xq, xs, c4[t], p4.scale, srows[t], rxs[t], outs[t], c,
+                                                            False)),
             "unpack": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], False, c, False)),
             "unpack_div": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], True, c, False)),
             "ratios": (0, lambda t, c: frat(p4.scale, srows[t], rxs[t], c)),
