@@ -48,12 +48,14 @@ def topology():
 
 
 def run_threads(cpus, fn_for):
-    """Run fn_for(i)() on one thread per cpu (pinned), started together; per-thread seconds."""
+    """Run fn_for(i)() on one thread per cpu (pinned to it; None: not pinned), started together;
+    per-thread seconds."""
     bar = threading.Barrier(len(cpus))
     took = [0.0] * len(cpus)
 
     def body(i, cpu):
-        os.sched_setaffinity(0, {cpu})
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
         f = fn_for(i)
         bar.wait()
         t0 = time.perf_counter()

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
-import time
 
 import numpy as np
 from numba import njit
@@ -21,6 +19,7 @@ from numba import njit
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _results import write_json  # noqa: E402
+from amx_probe import run_threads  # noqa: E402
 
 
 @njit(nogil=True, fastmath={"contract"})
@@ -41,23 +40,7 @@ def alu(n, seed):
 
 def timed(cpus, n, seed):
     """Wall seconds of each thread's loop, thread i pinned to cpus[i] (None: not pinned)."""
-    out = [0.0] * len(cpus)
-    start = threading.Barrier(len(cpus))
-
-    def work(i, cpu):
-        if cpu is not None:
-            os.sched_setaffinity(0, {cpu})
-        start.wait()
-        t = time.perf_counter()
-        alu(n, seed)
-        out[i] = time.perf_counter() - t
-
-    ths = [threading.Thread(target=work, args=(i, c)) for i, c in enumerate(cpus)]
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join()
-    return out
+    return run_threads(cpus, lambda i: (lambda: alu(n, seed)))
 
 
 def main():
