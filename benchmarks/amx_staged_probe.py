@@ -57,22 +57,23 @@ def _cases(K, scheme, m, n, d, rng):
     xq, xs = R.quantize_act(x)
     mc = K.default_mc(d)
     if scheme == "int8":
-        # "staged kc16": gemm_int8's settings (no output prefetch for writing since session 19)
+        # "staged kc16": gemm_int8's settings (the output prefetched for writing: off in session 19,
+        # on again since session 20)
         c = {"pipe": lambda: K.gemm_int8_pipe(xq, xs, data, p.scale, out, 0, nb, mc, 0, 2, True)}
         for kcs in (8, 16):
             c[f"staged kc{kcs}"] = lambda kcs=kcs: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc,
-                                                                      kcs, 2, False, True)
+                                                                      kcs, 2, True, True)
         for mcs in (128, 512):  # 128 rows: the partial sums (mc x 128 B) and B's slice share L1
             c[f"staged kc16 mc{mcs}"] = lambda mcs=mcs: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb,
-                                                                           mcs, 16, 2, False, True)
-        c["staged kc16 pfw"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 2,
-                                                          True, True)
+                                                                           mcs, 16, 2, True, True)
+        c["staged kc16 nopfw"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 2,
+                                                            False, True)
         c["staged kc16 nonta"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 2,
-                                                            False, False)
+                                                            True, False)
         c["staged kc16 l2d0"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 0,
-                                                           False, True)
+                                                           True, True)
         c["staged kc16 l2d1"] = lambda: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc, 16, 1,
-                                                           False, True)
+                                                           True, True)
         return c
     srow = np.empty(nb * 16, np.float32)
     rx = np.empty(nb * p.scale.shape[1] * 64, np.int8)

@@ -174,9 +174,8 @@ def _amx_variants(scheme):
     pipelined kernels (``gemm_*_pipe``: ``pipe`` with the settings they were the default with,
     ``no_pfw`` without the output prefetch for writing, ``l2d<d>``: the L2 prefetch d block pairs
     ahead, 0: none) that were the default before the staged ones, the staged kernels with other K
-    slices (``st_kc<k>``), with the other output prefetch setting (``st_nopfw`` for BF16, ``st_pfw``
-    for INT8, whose default has none since session 19), and INT4's per-group flush kernel
-    (``i4flush``)."""
+    slices (``st_kc<k>``), without the output prefetch for writing (``st_nopfw``; INT8's default
+    ran without it in session 19), and INT4's per-group flush kernel (``i4flush``)."""
     from kt.cpu_ops import kernels_amx as KA
 
     if scheme is QuantScheme.INT8:
@@ -197,7 +196,7 @@ def _amx_variants(scheme):
                                   0, d, True)
             return kd
 
-        def staged(kcs, pfw):  # the staged kernel (the default: kcs 16, pfw False)
+        def staged(kcs, pfw):  # the staged kernel (the default: kcs 16, pfw True)
             @njit(nogil=True)
             def ks(xq, xs, data, scale, wsum, out, nb0, nb1):
                 KA.gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
@@ -306,8 +305,8 @@ def _amx_variants(scheme):
                 "inline32": inline(32), "inline64": inline(64), "inline128": inline(128),
                 "inline256": inline(256)}
     return {"blocked": k, "no_pfw": k8, "pipe": dist(2), "l2d0": dist(0), "l2d1": dist(1),
-            "l2d3": dist(3), "l2d4": dist(4), "st_kc8": staged(8, False), "st_kc32": staged(32, False),
-            "st_pfw": staged(16, True)}
+            "l2d3": dist(3), "l2d4": dist(4), "st_kc8": staged(8, True), "st_kc32": staged(32, True),
+            "st_nopfw": staged(16, False)}
 
 
 def _timed(f):

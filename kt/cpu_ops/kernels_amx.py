@@ -633,14 +633,15 @@ def gemm_bf16_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw, nta):
 @njit(nogil=True, cache=True)
 def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     """Large-M INT8 (same contract as ``gemv_int8``): the staged kernel (``gemm_int8_staged``: K
-    slices of 16 k-steps, the block pair two ahead prefetched into L2). One core, M=512 (session
-    18, dev and device, fast-state rounds): 1.26-1.29x the pipelined ``gemm_int8_pipe`` at N=1536
-    K=2048, 1.5x at N=2048 K=768; the 16-thread layer the same within the noise. Without the
-    output lines prefetched for writing (session 19, dev, one core, two runs of five rounds):
-    1.04x at N=1536 K=2048 (50.0 % of the tile peak at best), 1.07-1.09x at N=2048 K=768; the
-    2-thread T=512 layer 0.7-3 % faster (the device's 16-thread one 1-3 %, session 18). BF16 and
-    INT4 keep the prefetch (BF16's 16-thread layer was 12 % slower without it once)."""
-    gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 16, 2, False, True)
+    slices of 16 k-steps, the block pair two ahead prefetched into L2, the output lines prefetched
+    for writing). One core, M=512 (session 18, dev and device, fast-state rounds): 1.26-1.29x the
+    pipelined ``gemm_int8_pipe`` at N=1536 K=2048, 1.5x at N=2048 K=768; the 16-thread layer the
+    same within the noise. Session 19 ran it without the output prefetch (one core, M=512: 1.04 /
+    1.07-1.09x faster; 2-thread T=512 layer 0.7-3 %), but the layer at T=2048, not measured then,
+    was 15-18 % slower that way on 2 dev threads (three runs) and 6-9 % on the device's 16 (qwen3,
+    interleaved, session 20), and T=512 1-5 % slower; so the prefetch is on again, as for BF16 and
+    INT4."""
+    gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 16, 2, True, True)
 
 
 # ----------------------------------------------------------------------------- INT4
