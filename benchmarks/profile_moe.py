@@ -286,17 +286,7 @@ def _amx_variants(scheme):
             """gemm_int4 with the inline kernel's L2 prefetch l2 block pairs ahead (default 1)."""
             @njit(nogil=True)
             def kd(xq, xs, data, scale, group_size, out, nb0, nb1):
-                if xq.shape[0] > KA.INT4_INLINE_MAX_M:
-                    KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
-                    return
-                nbr = max(nb1 - nb0, 0)
-                srow = np.empty(nbr * 16, np.float32)
-                rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
-                b = KA._int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, True, True,
-                                    scale, True)
-                if b < nb1:
-                    KA.gemm_int4_blocked(xq, xs, data, scale, group_size, out, b, nb1,
-                                         KA.default_mc(xq.shape[1]), max(512, group_size), True, True)
+                KA._gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2)
             return kd
 
         return {"i4flush": k4, "pipe": ratio(False), "no_inline": ratio(True),

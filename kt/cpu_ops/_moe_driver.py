@@ -618,17 +618,15 @@ def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16, R, hoff):
         else:
             for j in range(I):
                 h[j] = exp_f32(-g[j])
+            # the row's absolute maximum taken in the SiLU pass (one int8 pass less)
+            mb = np.uint32(0)
+            for j in range(I):
+                v = g[j] / (np.float32(1.0) + h[j]) * u[j]
+                h[j] = v
+                mb = absmax_bits(v, mb)
             if not bf16:
-                # the int8 row's absolute maximum taken in the SiLU pass (one pass less)
-                mb = np.uint32(0)
-                for j in range(I):
-                    v = g[j] / (np.float32(1.0) + h[j]) * u[j]
-                    h[j] = v
-                    mb = absmax_bits(v, mb)
                 hs[r + hoff] = quant_row_i8_max(h, hq[r + hoff], I, mb)
                 continue
-            for j in range(I):
-                h[j] = g[j] / (np.float32(1.0) + h[j]) * u[j]
         _quant_rows(h, hq, hs, r + hoff, I, bf16, R)
 
 

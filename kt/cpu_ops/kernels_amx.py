@@ -1102,12 +1102,19 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     block pair's ratios as it reaches the pair. Other scales (weights quantised elsewhere):
     ``gemm_int4_blocked``, 2x2 tiles with the per-group fp32 flush, from the first pair whose
     scales are not of the ratio form on."""
+    _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 1)
+
+
+@njit(nogil=True, cache=True)
+def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2):
+    """``gemm_int4`` with the inline kernel's L2 prefetch l2 block pairs ahead (``gemm_int4``: 1;
+    other distances for ``benchmarks/profile_moe.py``'s variants)."""
     nbr = max(nb1 - nb0, 0)
     srow = empty_line(nbr * 16, np.float32)
     rx = empty_line(nbr * scale.shape[1] * 64, np.int8)
     mc = default_mc(xq.shape[1])
     if xq.shape[0] <= INT4_INLINE_MAX_M:
-        nb0 = _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, True, True, scale,
+        nb0 = _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, True, True, scale,
                            True)
     elif _int4_ratios(scale, nb0, nb1, srow, rx):
         gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True)
