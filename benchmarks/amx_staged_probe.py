@@ -60,7 +60,7 @@ def _cases(K, scheme, m, n, d, rng):
         # "staged kc16": gemm_int8's settings (the output prefetched for writing: off in session 19,
         # on again since session 20)
         c = {"pipe": lambda: K.gemm_int8_pipe(xq, xs, data, p.scale, out, 0, nb, mc, 0, 2, True)}
-        for kcs in (8, 16):
+        for kcs in (8, 16, 32):
             c[f"staged kc{kcs}"] = lambda kcs=kcs: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc,
                                                                       kcs, 2, True, True)
         for mcs in (128, 512):  # 128 rows: the partial sums (mc x 128 B) and B's slice share L1

@@ -174,8 +174,9 @@ def _amx_variants(scheme):
     pipelined kernels (``gemm_*_pipe``: ``pipe`` with the settings they were the default with,
     ``no_pfw`` without the output prefetch for writing, ``l2d<d>``: the L2 prefetch d block pairs
     ahead, 0: none) that were the default before the staged ones, the staged kernels with other K
-    slices (``st_kc<k>``), without the output prefetch for writing (``st_nopfw``; INT8's default
-    ran without it in session 19), and INT4's per-group flush kernel (``i4flush``)."""
+    slices (``st_kc<k>``; ``st_kc16`` is INT8's default before session 21), without the output
+    prefetch for writing (``st_nopfw``; INT8's default ran without it in session 19), and INT4's
+    per-group flush kernel (``i4flush``)."""
     from kt.cpu_ops import kernels_amx as KA
 
     if scheme is QuantScheme.INT8:
@@ -196,7 +197,8 @@ def _amx_variants(scheme):
                                   0, d, True)
             return kd
 
-        def staged(kcs, pfw):  # the staged kernel (the default: kcs 16, pfw True)
+        def staged(kcs, pfw):  # the staged kernel (the default: pfw True, kcs 32 up to one M
+            # chunk of rows, 16 above; before session 21 always 16)
             @njit(nogil=True)
             def ks(xq, xs, data, scale, wsum, out, nb0, nb1):
                 KA.gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, KA.default_mc(xq.shape[1]),
@@ -295,8 +297,8 @@ def _amx_variants(scheme):
                 "inline32": inline(32), "inline64": inline(64), "inline128": inline(128),
                 "inline256": inline(256)}
     return {"blocked": k, "no_pfw": k8, "pipe": dist(2), "l2d0": dist(0), "l2d1": dist(1),
-            "l2d3": dist(3), "l2d4": dist(4), "st_kc8": staged(8, True), "st_kc32": staged(32, True),
-            "st_nopfw": staged(16, False)}
+            "l2d3": dist(3), "l2d4": dist(4), "st_kc8": staged(8, True), "st_kc16": staged(16, True),
+            "st_kc32": staged(32, True), "st_nopfw": staged(16, False)}
 
 
 def _timed(f):

@@ -640,8 +640,13 @@ def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     1.07-1.09x faster; 2-thread T=512 layer 0.7-3 %), but the layer at T=2048, not measured then,
     was 15-18 % slower that way on 2 dev threads (three runs) and 6-9 % on the device's 16 (qwen3,
     interleaved, session 20), and T=512 1-5 % slower; so the prefetch is on again, as for BF16 and
-    INT4."""
-    gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, default_mc(xq.shape[1]), 16, 2, True, True)
+    INT4. K is not sliced (32 k-steps: all of qwen3's gate+up) when the rows fit one M chunk, as a
+    layer's experts do up to T=2048: in the layer, T=2048 was 0-8 % faster that way (three dev runs,
+    one device run) and T=512 level or faster (session 21), though one core alone at M=128 on warm
+    weights was 6 % slower. Above one chunk (issue 3's one core at M=512: 10 % faster) 16."""
+    mc = default_mc(xq.shape[1])
+    kcs = 32 if xq.shape[0] <= mc else 16
+    gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, 2, True, True)
 
 
 # ----------------------------------------------------------------------------- INT4
