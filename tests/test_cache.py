@@ -39,6 +39,24 @@ def test_clear_cache(tmp_path, monkeypatch):
     assert cache.cache_size_bytes() == 0
 
 
+def test_clear_stale_keeps_this_source(tmp_path, monkeypatch):
+    """Only key directories of other kt sources are stale; the cache's size counts kernels only."""
+    monkeypatch.setenv("KT_CACHE_DIR", str(tmp_path))
+    mine = cache.kernel_cache_dir("avx2")
+    other_variant = cache.kernel_cache_dir("avx512_bf16")
+    old = mine.parent / (mine.name[: -16] + "0" * 16)  # the same key, another source hash
+    for d, n in ((mine, 3), (other_variant, 5), (old, 7)):
+        d.mkdir(parents=True)
+        (d / "x.nbc").write_bytes(b"1" * n)
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "model.bin").write_bytes(b"1" * 100)  # not a kernel
+    assert cache.cache_size_bytes() == 15
+    assert cache.stale_kernel_dirs() == [old]
+    cache.clear_cache(stale_only=True)
+    assert not old.exists() and mine.exists() and other_variant.exists()
+    assert cache.cache_size_bytes() == 8 and cache.stale_kernel_dirs() == []
+
+
 def test_kernels_are_cached_under_the_kt_key(tmp_path):
     """A kernel module's @njit(cache=True) functions land in KT_CACHE_DIR/kernels/<key>/."""
     import os

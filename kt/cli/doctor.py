@@ -110,8 +110,10 @@ def collect() -> dict:
         cpu["vector_loops_512"] = cache.prefer_512_bit_vectors()
     except Exception:  # e.g. numba missing
         cpu["vector_loops_512"] = None
+    stale = cache.stale_kernel_dirs()
     info["cache"] = {"root": str(cache.cache_root()), "kernel_dir": key_dir,
-                     "size_bytes": cache.cache_size_bytes()}
+                     "size_bytes": cache.cache_size_bytes(), "stale_dirs": len(stale),
+                     "stale_bytes": sum(cache._bytes_under(p) for p in stale)}
     pk = info["packages"]
     verdict = {}
     if variant_error:
@@ -177,7 +179,10 @@ def render(info: dict) -> str:
     lines.append(f"  launch table   {g['launch_table']}")
     k = info["cache"]
     lines += ["", "Kernel cache", f"  dir            {k['kernel_dir']}",
-              f"  size           {k['size_bytes'] / 2**20:.1f} MiB under {k['root']}"]
+              f"  size           {k['size_bytes'] / 2**20:.1f} MiB of kernels under {k['root']}"]
+    if k["stale_dirs"]:
+        lines.append(f"  stale          {k['stale_dirs']} builds of other kt sources, "
+                     f"{k['stale_bytes'] / 2**20:.1f} MiB: kt.clear_cache(stale_only=True) removes them")
     lines += ["", "Verdict"]
     for cap, v in info["verdict"].items():
         lines.append(f"  {cap:<14} {v}")

@@ -56,18 +56,38 @@ def kernel_cache_dir(variant: str | None = None) -> Path:
     return cache_root() / "kernels" / cache_key(variant)
 
 
+def _bytes_under(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) if d.exists() else 0
+
+
 def cache_size_bytes() -> int:
-    root = cache_root()
-    if not root.exists():
-        return 0
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    """Bytes of compiled kernels under the cache root (every key; not the root's other
+    contents, such as ``kt demo``'s model or the SGLang environment of ``kt run``)."""
+    return _bytes_under(cache_root() / "kernels")
 
 
-def clear_cache() -> None:
-    """Remove every compiled kernel kt cached (the next call recompiles)."""
+def stale_kernel_dirs() -> list[Path]:
+    """The kernel key directories compiled from other kt kernel sources than this one's (an
+    older or newer kt): nothing here will read them again. Keys of this source for another
+    toolchain, CPU or variant are not stale (another environment may use them)."""
     d = cache_root() / "kernels"
-    if d.exists():
-        shutil.rmtree(d)
+    if not d.exists():
+        return []
+    mine = source_hash()[:16]
+    return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.endswith("-" + mine))
+
+
+def clear_cache(stale_only: bool = False) -> None:
+    """Remove every compiled kernel kt cached (the next call recompiles), or with ``stale_only``
+    only those compiled from other kt sources (``stale_kernel_dirs``), which a kt upgrade (or
+    editing kt's kernels) leaves behind, some 10 MiB per variant each."""
+    d = cache_root() / "kernels"
+    if not stale_only:
+        if d.exists():
+            shutil.rmtree(d)
+        return
+    for p in stale_kernel_dirs():
+        shutil.rmtree(p, ignore_errors=True)
 
 
 _installed = False
