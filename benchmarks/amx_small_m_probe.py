@@ -94,21 +94,21 @@ def kernels():
             for b in range(0, nb, 2):
                 for q in range(2):
                     nxt = b + 2 + q
-                    ro = (b + q) * ng * 64
+                    ro = (b + q) * ng * 16
                     jg = 0
                     for j in range(lines):
                         if nxt < nb:
                             prefetch_l2(data, (nxt * lines + j) * 64)
                         if div:
                             unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
-                                                 rx, ((b + q) * ng + j // lpg) * 64)
+                                                 rx, ((b + q) * ng + j // lpg) * 16)
                         else:
                             unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
                                                  rx, ro)
                             jg += 1
                             if jg == lpg:
                                 jg = 0
-                                ro += 64
+                                ro += 16
 
     @njit(nogil=True)
     def ratios(scale, srow, rx, calls):
@@ -162,7 +162,7 @@ def main():
     p8, p4 = pack(w, "int8"), pack(w, "int4", 64)
     nb = p4.num_blocks
     srow = K.empty_line(nb * 16, np.float32)
-    rx = K.empty_line(nb * p4.scale.shape[1] * 64, np.int8)
+    rx = K.empty_line(nb * p4.scale.shape[1] * 16, np.int8)
     assert K._int4_ratios(p4.scale, 0, nb, srow, rx)
     thread_counts = [int(t) for t in a.threads.split(",")]
     nmax = max(thread_counts)

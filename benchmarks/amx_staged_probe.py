@@ -76,7 +76,7 @@ def _cases(K, scheme, m, n, d, rng):
                                                            True, True)
         return c
     srow = np.empty(nb * 16, np.float32)
-    rx = np.empty(nb * p.scale.shape[1] * 64, np.int8)
+    rx = np.empty(nb * p.scale.shape[1] * 16, np.int8)
     assert K._int4_ratios(p.scale, 0, nb, srow, rx)
     return {"pipe": lambda: K.gemm_int4_ratio(xq, xs, data, 64, srow, rx, out, 0, nb, mc, True),
             "staged kc16": lambda: K.gemm_int4_staged(xq, xs, data, 64, srow, rx, out, 0, nb, mc, 16, True,

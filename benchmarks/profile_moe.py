@@ -254,7 +254,7 @@ def _amx_variants(scheme):
             def kr(xq, xs, data, scale, group_size, out, nb0, nb1):
                 nbr = max(nb1 - nb0, 0)
                 srow = np.empty(nbr * 16, np.float32)
-                rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
+                rx = np.empty(nbr * scale.shape[1] * 16, np.int8)
                 mc = KA.default_mc(xq.shape[1])
                 if not KA._int4_ratios(scale, nb0, nb1, srow, rx):
                     KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
@@ -273,7 +273,7 @@ def _amx_variants(scheme):
             def kk(xq, xs, data, scale, group_size, out, nb0, nb1):
                 nbr = max(nb1 - nb0, 0)
                 srow = np.empty(nbr * 16, np.float32)
-                rx = np.empty(nbr * scale.shape[1] * 64, np.int8)
+                rx = np.empty(nbr * scale.shape[1] * 16, np.int8)
                 if not KA._int4_ratios(scale, nb0, nb1, srow, rx):
                     KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
                 elif xq.shape[0] <= mmax:
@@ -291,7 +291,13 @@ def _amx_variants(scheme):
                 KA._gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2)
             return kd
 
-        return {"i4flush": k4, "pipe": ratio(False), "no_inline": ratio(True),
+        @njit(nogil=True)
+        def klazy(xq, xs, data, scale, group_size, out, nb0, nb1):
+            KA.gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1)
+
+        # i4lazy: the default before session 21, which made each block pair's ratios from the
+        # group scales at every call (the layer now reads them from tables made at load)
+        return {"i4lazy": klazy, "i4flush": k4, "pipe": ratio(False), "no_inline": ratio(True),
                 "i4l2d0": dist(0), "i4l2d2": dist(2), "i4l2d3": dist(3), "i4l2d4": dist(4),
                 "i4l2d6": dist(6),
                 "inline32": inline(32), "inline64": inline(64), "inline128": inline(128),

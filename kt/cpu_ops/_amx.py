@@ -245,6 +245,7 @@ def tdpbf16ps(typingctx, dst, a, b):
 _F32X16 = ir.VectorType(ir.FloatType(), 16)
 _I32X16 = ir.VectorType(ir.IntType(32), 16)
 _I8X64 = ir.VectorType(_I8, 64)
+_I8X16 = ir.VectorType(_I8, 16)
 
 
 def _vptr(context, builder, sig, args, k, vecty):
@@ -394,10 +395,10 @@ def row16_max(typingctx, acc, ai, src, si):
 
 @intrinsic
 def ratio_row16(typingctx, scale, si, inv, ii, sr, sri, rx, rxi, rmax):
-    """The INT4 group ratios of 16 columns: r = rint(scale[si : si+16] * inv[ii : ii+16]) as int32;
-    stores each r four times as int8 at rx[rxi : rxi+64] (r * 0x01010101 per column) and returns
-    whether every column's scale is exactly fp32(r) * sr[sri : sri+16] with 0 <= r <= rmax
-    (``reference.int4_ratio_scales``)."""
+    """The INT4 group ratios of 16 columns: r = rint(scale[si : si+16] * inv[ii : ii+16]); stores
+    them as int8 at rx[rxi : rxi+16] (0 where a column fails) and returns whether every column's
+    scale is exactly fp32(r) * sr[sri : sri+16] with 0 <= r <= rmax (``reference.int4_ratio_scales``;
+    rmax must be at most 127)."""
     _dtype_is(scale, types.float32, "ratio_row16 scale")
     _dtype_is(inv, types.float32, "ratio_row16 inv")
     _dtype_is(sr, types.float32, "ratio_row16 sr")
@@ -421,8 +422,7 @@ def ratio_row16(typingctx, scale, si, inv, ii, sr, sri, rx, rxi, rmax):
         i1x16 = ir.VectorType(ir.IntType(1), 16)
         red = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.IntType(1), [i1x16]), "llvm.vector.reduce.and.v16i1")
-        rep = builder.mul(ri, ir.Constant(_I32X16, [0x01010101] * 16))
-        builder.store(rep, _vptr(context, builder, sig, args, 6, _I32X16), align=1)
+        builder.store(builder.trunc(ri, _I8X16), _vptr(context, builder, sig, args, 6, _I8X16), align=1)
         return builder.call(red, [ok])
 
     return types.boolean(scale, si, inv, ii, sr, sri, rx, rxi, rmax), codegen
@@ -430,16 +430,19 @@ def ratio_row16(typingctx, scale, si, inv, ii, sr, sri, rx, rxi, rmax):
 
 @intrinsic
 def unpack_int4_line_mul(typingctx, src, si, dst, di, r, ri):
-    """``unpack_int4_line`` with each signed value multiplied by r[ri : ri+64] (int8, per byte
-    position: the INT4 group ratios r_g of the 16 columns, each repeated for its 4 k): the products
-    must fit in int8 (|q| <= 7, r <= 18), they are formed in 8-bit lanes."""
+    """``unpack_int4_line`` with each signed value multiplied by its column's INT4 group ratio
+    r_g, from r[ri : ri+16] (int8, one per column of the line's 16; a line holds 4 k of each
+    column, so each ratio is spread over 4 byte positions in a register): the products must fit
+    in int8 (|q| <= 7, r <= 18), they are formed in 8-bit lanes."""
     _dtype_is(src, types.uint8, "unpack_int4_line_mul src")
     _dtype_is(dst, types.int8, "unpack_int4_line_mul dst")
     _dtype_is(r, types.int8, "unpack_int4_line_mul r")
 
     def codegen(context, builder, sig, args):
         v = builder.load(_vptr(context, builder, sig, args, 0, _I8X64), align=1)
-        rv = builder.load(_vptr(context, builder, sig, args, 4, _I8X64), align=1)
+        r16 = builder.load(_vptr(context, builder, sig, args, 4, _I8X16), align=1)
+        rv = builder.shuffle_vector(r16, ir.Constant(_I8X16, ir.Undefined),
+                                    ir.Constant(ir.VectorType(ir.IntType(32), 64), [i // 4 for i in range(64)]))
         k15 = ir.Constant(_I8X64, [15] * 64)
         k8 = ir.Constant(_I8X64, [8] * 64)
         k4 = ir.Constant(_I8X64, [4] * 64)

@@ -72,7 +72,10 @@ A_RSLOT = 24  # int32 [rows]: gathered row -> its slot (t - t0) * K + k
 # per-participant scratch, int8 [nth, bytes each]: gathered activation rows and their scales,
 # gate+up outputs of a whole-expert task (kept in that core's cache)
 A_XGS, A_XSS, A_GUS = 25, 26, 27
-N_SLOTS = 28
+# INT4 ratio tables of w13 / w2 ([E, 1, rows, 16] fp32, kernels_amx.int4_tables), given to the
+# large-M kernel in place of the group scales when the layer has them (address 0: none)
+A_W13R, A_W2R = 28, 29
+N_SLOTS = 30
 S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 256, 257, 258, 259, 260, 261, 262, 263
 S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 264, 265, 266, 267, 268, 269
 D_KV13, D_KM13, D_KV2, D_KM2 = 270, 271, 272, 273  # kernel entry points (kernel_address)
@@ -670,6 +673,9 @@ def _gemm_call(desc, scheme, which, e, xa, xs, out, nb0, nb1, small):
         d, s, w = load_w_int8(desc, sd, sc, sw, e)
         icall8(addr, xa, xs, d, s, w, out, nb0, nb1)
     elif scheme == SCHEME_INT4:
+        st = A_W13R if which == 0 else A_W2R
+        if not small and desc[st * SLOT] != 0:
+            sc = st
         d, s, w = load_w_int4(desc, sd, sc, sw, e)
         icall8(addr, xa, xs, d, s, gs, out, nb0, nb1)
     else:

@@ -847,7 +847,7 @@ def _block_ratios(scale, b, lb, srow, rx, m, inv):
         srow[lb * 16 + c] = sr
         inv[c] = np.float32(np.float32(1.0) / sr) if sr > 0 else np.float32(0.0)
     for g in range(ng):
-        if not ratio_row16(scale, (b * ng + g) * 16, inv, 0, srow, lb * 16, rx, (lb * ng + g) * 64,
+        if not ratio_row16(scale, (b * ng + g) * 16, inv, 0, srow, lb * 16, rx, (lb * ng + g) * 16,
                            INT4_RATIO_MAX):
             return False
     return True
@@ -857,8 +857,8 @@ def _block_ratios(scale, b, lb, srow, rx, m, inv):
 def _int4_ratios(scale, nb0, nb1, srow, rx):
     """Whether every group scale of blocks [nb0, nb1) is s_row * r_g with r_g an integer in
     [0, INT4_RATIO_MAX] (``reference.int4_ratio_scales``, the quantiser's rule); if so, srow
-    [16 (nb1 - nb0)] holds each column's s_row and rx [(nb1 - nb0) * ng * 64] each (block, group)'s
-    16 ratios, each repeated for its 4 k (the byte order of a packed k4 row)."""
+    [16 (nb1 - nb0)] holds each column's s_row and rx [(nb1 - nb0) * ng * 16] each (block, group)'s
+    16 ratios (int8, one per column: ``unpack_int4_line_mul`` spreads each over its 4 k)."""
     m = empty_line(16, np.float32)
     inv = empty_line(16, np.float32)
     for b in range(nb0, nb1):
@@ -876,7 +876,7 @@ def _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk):
     lines = data.shape[1]
     for q in range(2 if b + 1 < nb1 else 1):
         nxt = b + 2 + q
-        ro = (b + q - nb0) * ng * 64     # this group's ratios in rx, stepped without a division
+        ro = (b + q - nb0) * ng * 16     # this group's ratios in rx, stepped without a division
         jg = 0                           # (j // lpg compiled to a div per line)
         for j in range(lines):
             if nxt < nb1:
@@ -885,7 +885,7 @@ def _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk):
             jg += 1
             if jg == lpg:
                 jg = 0
-                ro += 64
+                ro += 16
 
 
 @njit(nogil=True, cache=True)
@@ -966,7 +966,7 @@ def _unpack_kstep(data, b, lines, s, lpg, ng, lb, rx, bs, bo):
     (lb: the block's index in rx)."""
     for j in range(8 * s, 8 * s + 8):
         unpack_int4_line_mul(data, (b * lines + j) * 64, bs, bo + (j - 8 * s) * 128, rx,
-                             (lb * ng + j // lpg) * 64)
+                             (lb * ng + j // lpg) * 16)
 
 
 @njit(nogil=True, cache=True)
@@ -1116,7 +1116,7 @@ def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2):
     other distances for ``benchmarks/profile_moe.py``'s variants)."""
     nbr = max(nb1 - nb0, 0)
     srow = empty_line(nbr * 16, np.float32)
-    rx = empty_line(nbr * scale.shape[1] * 64, np.int8)
+    rx = empty_line(nbr * scale.shape[1] * 16, np.int8)
     mc = default_mc(xq.shape[1])
     if xq.shape[0] <= INT4_INLINE_MAX_M:
         nb0 = _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, True, True, scale,
@@ -1127,6 +1127,46 @@ def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2):
     if nb0 < nb1:
         kc = max(512, group_size)
         gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, True, True)
+
+
+def int4_table_rows(nb: int, ng: int) -> int:
+    """Rows of 16 fp32 words in one matrix's INT4 ratio table (``int4_tables``): the s_row of
+    every block, then every (block, group)'s 16 int8 ratios."""
+    return nb + -(-nb * ng // 4)
+
+
+@njit(nogil=True, cache=True)
+def int4_tables(scale, tab):
+    """The ratio tables of stacked INT4 group scales [E, nb, ng, 16] -> tab [E, 1, rows, 16] fp32
+    (rows: ``int4_table_rows``): per matrix srow [nb * 16] fp32, then rx [nb * ng * 16] int8 as
+    ``_int4_ratios`` makes them, in its words. False if a scale is not of the ratio form (the
+    table is then not usable). Made once when a layer is built, so that ``gemm_int4_tab`` neither
+    reads the group scales nor makes the ratios at every call."""
+    nb = scale.shape[1]
+    for e in range(scale.shape[0]):
+        flat = tab[e].reshape(-1)
+        if not _int4_ratios(scale[e], 0, nb, flat[:nb * 16], flat[nb * 16:].view(np.int8)):
+            return False
+    return True
+
+
+@njit(nogil=True, cache=True)
+def gemm_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
+    """``gemm_int4`` on a matrix's ratio table (``int4_tables``: tab [1, rows, 16] in place of
+    the group scales): the inline kernel up to ``INT4_INLINE_MAX_M`` rows, the staged kernel
+    above, with the ratios read instead of made (one core, M=32 cold: ``int4_keep`` against
+    ``int4`` in ``amx_small_m_probe.py``). The table holds 16 bytes per (block, group) against
+    the scales' 64. Same result as ``gemm_int4``."""
+    flat = tab.reshape(-1)
+    nb = data.shape[0]
+    ng = xq.shape[1] // group_size
+    srow = flat[nb0 * 16:nb1 * 16]
+    rx = flat[nb * 16:].view(np.int8)[nb0 * ng * 16:nb1 * ng * 16]
+    if xq.shape[0] <= INT4_INLINE_MAX_M:
+        gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, True, True)
+    else:
+        gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1,
+                         default_mc(xq.shape[1]), 16, True, True)
 
 
 # ----------------------------------------------------------------------------- BF16

@@ -301,7 +301,12 @@ class CPUMoE:
             self.variant = variant or "custom"
         else:
             kv, km, self.variant = _kernel_pair(self.scheme, variant)
-        self._kv, self._km = kv, km
+        self._kv, self._km = kv, km  # (contract kernels: another layer may be built with them)
+        self._tabs = self._int4_tables() if kernels is None else None
+        if self._tabs is not None:
+            from . import kernels_amx
+
+            km = kernels_amx.gemm_int4_tab  # reads the tables, not the contract's scales
         code = _SCHEME_CODE[self.scheme]
         self._kaddr = (drv.kernel_address(kv, code), drv.kernel_address(km, code))
         self.gemv_max = gemv_max if gemv_max is not None else gemv_max_rows(self.scheme, self.variant)
@@ -424,7 +429,8 @@ class CPUMoE:
 
     @property
     def nbytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
+        return (self.w13.nbytes + self.w2.nbytes
+                + (sum(t.nbytes for t in self._tabs) if self._tabs is not None else 0))
 
     def expert_bytes(self) -> int:
         """Bytes of packed weights one expert reads (w13 + w2)."""
@@ -436,6 +442,25 @@ class CPUMoE:
                 f"{'activations=int8x2, ' if self.levels == 2 else ''}"
                 f"weights={self.nbytes / 2**20:.1f} MiB)")
 
+    def _int4_tables(self):
+        """(w13, w2) INT4 ratio tables for the AMX large-M kernel (``kernels_amx.int4_tables``:
+        the group scales' ratio form, made once here instead of at every call; 16 bytes per
+        block and group against the scales' 64, about 1.5 % of the weights), or None: not INT4,
+        not the AMX variant, or scales not of the quantiser's form (then every call makes them)."""
+        if self.scheme is not QuantScheme.INT4 or self.variant != "amx":
+            return None
+        from . import kernels_amx
+
+        tabs = []
+        for p in (self.w13, self.w2):
+            e, nb, ng = p.scale.shape[:3]
+            t = _align.zeros(e * kernels_amx.int4_table_rows(nb, ng) * 16, np.float32)
+            t = t.reshape(e, 1, -1, 16)
+            if not kernels_amx.int4_tables(p.scale, t):
+                return None
+            tabs.append(t)
+        return tuple(tabs)
+
     # -- descriptor pieces
 
     def _weight_desc(self) -> np.ndarray:
@@ -445,6 +470,9 @@ class CPUMoE:
                         (drv.A_W13W, self.w13.wsum), (drv.A_W2D, self.w2.data),
                         (drv.A_W2S, self.w2.scale), (drv.A_W2W, self.w2.wsum)):
             _put(d, slot, a)
+        if self._tabs is not None:
+            _put(d, drv.A_W13R, self._tabs[0])
+            _put(d, drv.A_W2R, self._tabs[1])
         d[drv.S_E] = self.num_experts
         d[drv.S_H] = self.hidden
         d[drv.S_I] = self.intermediate

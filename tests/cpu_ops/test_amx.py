@@ -396,7 +396,7 @@ class TileUnit:
 
     def unpack_int4_line_mul(self, src, si, dst, di, r, ri):
         v = self._flat(src, si, 64).astype(np.int16)
-        rv = self._flat(r, ri, 64).astype(np.int16)
+        rv = np.repeat(self._flat(r, ri, 16).astype(np.int16), 4)
         lo, hi = ((v & 15) - 8) * rv, ((v >> 4) - 8) * rv
         assert np.abs(lo).max() <= 127 and np.abs(hi).max() <= 127, "r * q outside int8"
         d = self._flat(dst, di, 128)
@@ -409,10 +409,11 @@ class TileUnit:
 
     def ratio_row16(self, scale, si, inv, ii, sr, sri, rx, rxi, rmax):
         s = self._flat(scale, si, 16)
-        r = np.rint(s * self._flat(inv, ii, 16)).astype(np.int32)
-        self._flat(rx, rxi, 64)[:] = np.repeat(r, 4).astype(np.int8)
-        exact = (r.astype(np.float32) * self._flat(sr, sri, 16)) == s
-        return bool(np.all(exact & (r >= 0) & (r <= rmax)))
+        with np.errstate(invalid="ignore", over="ignore"):
+            rf = np.rint(s * self._flat(inv, ii, 16))
+            ok = (rf * self._flat(sr, sri, 16) == s) & (rf >= 0) & (rf <= rmax)
+        self._flat(rx, rxi, 16)[:] = np.where(ok, rf, 0).astype(np.int8)
+        return bool(np.all(ok))
 
     def prefetch_l1(self, ary, index):
         pass  # a hint; never faults
@@ -604,7 +605,7 @@ def _check_blocked(mod, scheme, pf):
         whole_flush = np.full((m, p.n_pad), np.nan, np.float32)
         mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, whole_flush, 0, nb, 128, p.d_pad, False, False)
         srow = np.empty(nb * 16, np.float32)
-        rx = np.empty(nb * p.scale.shape[1] * 64, np.int8)
+        rx = np.empty(nb * p.scale.shape[1] * 16, np.int8)
         assert mod._int4_ratios(p.scale, 0, nb, srow, rx)
         for mc, pfw in ((32, True), (64, False)):
             r_out = np.full((m, p.n_pad), np.nan, np.float32)
@@ -616,18 +617,18 @@ def _check_blocked(mod, scheme, pf):
                 assert mod.unit.prefetched_w == {r * p.n_pad + 16 * b for r in range(m)
                                                  for b in range(nb)}
         part = np.full((m, p.n_pad), np.nan, np.float32)
-        mod.gemm_int4_ratio(xq, xs, p.data, 64, srow[16:], rx[p.scale.shape[1] * 64:], part, 1, nb, 64, True)
+        mod.gemm_int4_ratio(xq, xs, p.data, 64, srow[16:], rx[p.scale.shape[1] * 16:], part, 1, nb, 64, True)
         assert np.isnan(part[:, :16]).all()
         assert_exact(whole[:, 16:], part[:, 16:], what="int4 ratio block range")
         ng = p.scale.shape[1]
         _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw, nta: mod.gemm_int4_staged(
-            xq, xs, p.data, 64, srow[16 * nb0:], rx[64 * ng * nb0:], o, nb0, nb, mc, kcs, pfw, nta),
+            xq, xs, p.data, 64, srow[16 * nb0:], rx[16 * ng * nb0:], o, nb0, nb, mc, kcs, pfw, nta),
             whole, p, "int4")
         # the small-M kernel that unpacks as it multiplies (any M: each panel unpacks again; keep:
         # the later panels multiply the first panel's unpacked pair)
         for keep in (False, True):
             _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw, nta: mod.gemm_int4_inline(
-                xq, xs, p.data, 64, srow[16 * nb0:], rx[64 * ng * nb0:], o, nb0, nb, l2, pfw, keep),
+                xq, xs, p.data, 64, srow[16 * nb0:], rx[16 * ng * nb0:], o, nb0, nb, l2, pfw, keep),
                 whole, p, f"int4 inline keep={keep}")
         if hasattr(mod, "unit"):
             mod.unit.prefetched_w.clear()
@@ -655,7 +656,7 @@ def _check_int4_fallback(mod):
     p = pack_quantized(ref.QuantizedWeight(qw.scheme, qw.q, scale, 64), 64)
     nb = p.num_blocks
     assert not mod._int4_ratios(p.scale, 0, nb, np.empty(nb * 16, np.float32),
-                                np.empty(nb * p.scale.shape[1] * 64, np.int8))
+                                np.empty(nb * p.scale.shape[1] * 16, np.int8))
     out = _run(mod, QuantScheme.INT4, "gemm", x, p)
     xq, xs = ref.quantize_act(x)
     flush = np.full_like(out, np.nan)
@@ -681,9 +682,9 @@ def _check_int4_partial_fallback(mod):
     out = _run(mod, QuantScheme.INT4, "gemm", x, p)
     xq, xs = ref.quantize_act(x)
     xq = _pad_cols(xq, p.d_pad)
-    srow, rx = np.empty(2 * 16, np.float32), np.empty(2 * ng * 64, np.int8)
+    srow, rx = np.empty(2 * 16, np.float32), np.empty(2 * ng * 16, np.int8)
     assert mod._int4_ratios(p.scale, 0, 2, srow, rx)
-    assert not mod._int4_ratios(p.scale, 2, 4, np.empty(2 * 16, np.float32), np.empty(2 * ng * 64, np.int8))
+    assert not mod._int4_ratios(p.scale, 2, 4, np.empty(2 * 16, np.float32), np.empty(2 * ng * 16, np.int8))
     head = np.full_like(out, np.nan)
     mod.gemm_int4_inline(xq, xs, p.data, 64, srow, rx, head, 0, 2, 1, True)
     assert_exact(head[:, :32], out[:, :32], what="int4 gemm, ratio blocks vs the inline kernel")
@@ -719,7 +720,7 @@ def test_blocked_gemm_slices_and_prefetch(K, scheme, pf):
 
 def test_ratio_row16_accepts_only_exact_integer_ratios():
     """The 16-lane ratio check (plain AVX-512 code, runs on any host): exact multiples r * s_row
-    with r in [0, 18] pass and give r four times per column; anything else (a scale off by an
+    with r in [0, 18] pass and give r per column as int8; anything else (a scale off by an
     ulp, r > 18, negative, Inf, NaN) fails, without undefined float-to-int conversions."""
     from numba import njit
 
@@ -735,8 +736,8 @@ def test_ratio_row16_accepts_only_exact_integer_ratios():
     r = rng.integers(0, 19, 16)
     scale = (sr * r.astype(np.float32)).astype(np.float32)
     inv = (np.float32(1.0) / sr).astype(np.float32)
-    rx = np.zeros(64, np.int8)
-    assert check(scale, inv, sr, rx) and np.array_equal(rx, np.repeat(r, 4).astype(np.int8))
+    rx = np.zeros(16, np.int8)
+    assert check(scale, inv, sr, rx) and np.array_equal(rx, r.astype(np.int8))
     for bad in (np.nextafter(scale[3], np.float32(1)), sr[3] * np.float32(19), -sr[3], np.inf, np.nan):
         s2 = scale.copy()
         s2[3] = bad

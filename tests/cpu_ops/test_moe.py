@@ -624,3 +624,39 @@ def test_plan_tasks_cover_every_expert_once():
         assert sorted(order[n_act - len(split):n_act]) == split, what
         if tailp > 1 and nb13 > 4 and n_act >= 2:
             assert len(split) == min(tail, n_act // 2), what  # room in tasks13 in these cases
+
+
+@pytest.mark.skipif("amx" not in isa.runnable_variants(), reason="the INT4 ratio tables are AMX's")
+def test_int4_ratio_tables(pool):
+    """An AMX INT4 layer makes its group ratios once, at load (``kernels_amx.int4_tables``), and
+    its large-M kernel reads them: bit-identical to the contract kernel that makes them at every
+    call (decode and prefill sizes, a GPU mask, block-split tasks); the tables cost 16 bytes per
+    (block, group). Scales not of the ratio form leave the layer without tables, still exact."""
+    from kt.cpu_ops import kernels_amx as KA
+
+    base, g, u, d = layer("int4", "amx", pool=pool)
+    assert base._tabs is not None and base._km is KA.gemm_int4
+    nb, ng = base.w13.scale.shape[1:3]
+    assert base._tabs[0].shape == (base.num_experts, 1, KA.int4_table_rows(nb, ng), 16)
+    lazy = CPUMoE(base.w13, base.w2, pool=pool, kernels=(base._kv, base._km), variant="amx")
+    assert lazy._tabs is None
+    rng = np.random.default_rng(31)
+    gmask = np.zeros(base.num_experts, bool)
+    gmask[3] = True
+    for T in (1, 6, 40, 150):
+        x = rng.standard_normal((T, base.hidden), dtype=np.float32)
+        ids, w = routing(rng, T, base.num_experts, 3)
+        for bpt in ((0, 0), (2, 2)):
+            base.blocks_per_task = lazy.blocks_per_task = bpt
+            assert np.array_equal(base(x, ids, w, gpu_mask=gmask), lazy(x, ids, w, gpu_mask=gmask)), (T, bpt)
+    base.blocks_per_task = (0, 0)
+    # one group scale off the ratio form: no tables, the contract kernel's own fallback
+    w13 = base.w13
+    odd = type(w13)(w13.scheme, w13.n, w13.d, w13.n_pad, w13.d_pad, w13.group_size, w13.data,
+                    w13.scale.copy(), w13.wsum)
+    odd.scale[2, 1, 0, 5] = np.nextafter(odd.scale[2, 1, 0, 5], np.float32(1))
+    m = CPUMoE(odd, base.w2, pool=pool, variant="amx")
+    assert m._tabs is None
+    x = rng.standard_normal((150, base.hidden), dtype=np.float32)
+    ids, w = routing(rng, 150, base.num_experts, 3)
+    check_tight(m, x, ids, w, m(x, ids, w), whole=1e-3)
