@@ -29,7 +29,7 @@ __all__ = [
     # memory
     "load_i8x64", "load_i16x32", "load_i32x16", "load_f32x16",
     "load_i8x32", "load_i16x16", "load_i32x8", "load_f32x8",
-    "bcast4_i32x16", "bcast4_i32x8", "store", "prefetch", "prefetch_l2", "pf_next", "empty_line",
+    "bcast4_i32x16", "bcast4_i32x8", "load_i8_i32x16", "store", "prefetch", "prefetch_l2", "pf_next", "empty_line",
     # constants / broadcast of scalars
     "splat_i32x16", "splat_f32x16", "splat_i32x8", "splat_f32x8", "splat_i16x16", "splat_i8x32",
     # bit casts
@@ -133,6 +133,19 @@ def _make_bcast4(vt: Vec):
 
 
 bcast4_i32x16, bcast4_i32x8 = _make_bcast4(I32x16), _make_bcast4(I32x8)
+
+
+@intrinsic
+def load_i8_i32x16(typingctx, arr, idx):
+    """The 16 bytes at element ``idx``, each sign-extended to an int32 lane (vpmovsxbd)."""
+    if not isinstance(arr, types.Array) or not _is_index(idx):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1],
+                       ir.VectorType(ir.IntType(8), 16))
+        return builder.sext(builder.load(p, align=1), _ll(I32x16))
+    return I32x16(arr, idx), codegen
 
 
 @intrinsic

@@ -34,7 +34,8 @@ from numba import njit
 
 from . import cache
 from ._simd import (
-    bcast4_i32x16, cvt_i32_f32, dpbf16ps512, empty_line, load_f32x16, load_i32x16, pf_next, prefetch,
+    bcast4_i32x16, cvt_i32_f32, dpbf16ps512, empty_line, load_f32x16, load_i8_i32x16, load_i32x16, pf_next,
+    prefetch,
     splat_f32x16, splat_i32x16, store, vadd, vand, vfma, vmul, vpdpbusd512, vsll, vsra, vsrl, vsub,
     vxor)
 from .actquant import group_sums
@@ -224,7 +225,7 @@ INT4_PFL_AHEAD = 4096  # bytes of packed lines gemv_int4_pfl prefetches ahead (e
 def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """INT4 small-M GEMM. xq int8 [M, d_pad], xs fp32 [M], data uint8 [NB, d_pad/8, 16, 4],
     scale fp32 [NB, d_pad/G, 16], out fp32 [M, >= 16*nb1]."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 0, False)
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 0, False, np.empty(0, np.int8))
 
 
 @njit(nogil=True, cache=True)
@@ -235,7 +236,8 @@ def gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1):
     0.26 vs 0.28, T=4 0.79 vs 0.91: results/profile_moe_s5_run8_i4pf.json) and lost to every
     line 4 KB ahead, ``gemv_int4_pfl`` (T=1 0.20 vs 0.18, T=4 0.65 vs 0.55:
     results/profile_moe_s7_run1_i4pfl.json)."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PF_AHEAD, False)
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PF_AHEAD, False,
+               np.empty(0, np.int8))
 
 
 @njit(nogil=True, cache=True)
@@ -245,11 +247,27 @@ def gemv_int4_pfl(xq, xs, data, scale, group_size, out, nb0, nb1):
     weights, interleaved) it reads 29-31 GB/s where the plain kernel reads 26-27 and the
     every-other-line prefetch of ``gemv_int4_pf`` 22-24: Zen 4 does not fetch the pair's other
     line by itself. On the AMX Xeon (16 threads, qwen3 layer) it beat ``gemv_int4_pf`` too."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True)
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True,
+               np.empty(0, np.int8))
 
 
 @njit(nogil=True, cache=True)
-def _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, ahead, every_line):
+def gemv_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
+    """``gemv_int4_pfl`` on a matrix's INT4 ratio table (``kernels_amx.int4_tables``: the
+    group scales as s_row * r_g, tab [1, rows, 16] in place of the scales): each group's int32
+    sum is multiplied by its integer ratio r_g and added in int32 (exact: |r_g q| <= 126 per
+    weight), and one fp32 product by s_row * xs ends the row, instead of a fp32 multiply-add by
+    each group's scale. It reads 16 bytes of ratios per (block, group) where the scales take
+    64: 8 % fewer bytes for a decode that runs at the memory bandwidth. Not a contract kernel:
+    ``CPUMoE`` calls it with its tables."""
+    _gemv_int4(xq, xs, data, tab, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True,
+               tab.reshape(-1).view(np.int8))
+
+
+@njit(nogil=True, cache=True)
+def _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, ahead, every_line, rxb):
+    """The INT4 GEMV body; rxb non-empty: ``scale`` is a ratio table and rxb its bytes
+    (``gemv_int4_tab``)."""
     m_count = xq.shape[0]
     lines = data.shape[1]
     d_pad = lines * 8
@@ -263,10 +281,13 @@ def _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, ahead, every_line
     nhi = splat_i32x16(_NHI)
     xsum = group_sums(xq, group_size, d_pad)
     last = data.size - 1
+    tab = rxb.size > 0
+    rx0 = data.shape[0] * 64  # tab: the ratios follow the s_row of every block (16 fp32 each)
     for b in range(nb0, nb1):
         p = b * blk
         for m in range(m_count):
             f = splat_f32x16(0.0)
+            ia = splat_i32x16(0)
             xo = m * xrow
             for g in range(ng):
                 a0 = splat_i32x16(0)
@@ -290,7 +311,13 @@ def _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, ahead, every_line
                     a2 = vpdpbusd512(a2, vand(w, nib), bcast4_i32x16(xq, k + 8))
                     a3 = vpdpbusd512(a3, vand(w, nhi), bcast4_i32x16(xq, k + 12))
                 acc = vadd(vadd(a0, a2), vsra(vadd(a1, a3), 4))
-                f = _i4_group(f, acc, splat_i32x16(xsum[m, g]), scale, b * sblk + g * 16)
+                if tab:
+                    ia = vadd(ia, vmul(vsub(acc, splat_i32x16(xsum[m, g])),
+                                       load_i8_i32x16(rxb, rx0 + (b * ng + g) * 16)))
+                else:
+                    f = _i4_group(f, acc, splat_i32x16(xsum[m, g]), scale, b * sblk + g * 16)
+            if tab:
+                f = vmul(cvt_i32_f32(ia), load_f32x16(scale, b * 16))
             store(out, m * orow + 16 * b, vmul(f, splat_f32x16(xs[m])))
 
 

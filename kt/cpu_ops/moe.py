@@ -304,9 +304,13 @@ class CPUMoE:
         self._kv, self._km = kv, km  # (contract kernels: another layer may be built with them)
         self._tabs = self._int4_tables() if kernels is None else None
         if self._tabs is not None:
-            from . import kernels_amx
+            # the kernels that read the tables, not the contract's group scales
+            from . import kernels_amx, kernels_avx512
 
-            km = kernels_amx.gemm_int4_tab  # reads the tables, not the contract's scales
+            if kv is not kernels_avx512.gemv_int4_pfl:
+                self._tabs = None  # (a registry change: no table GEMV for that decode kernel)
+            else:
+                kv, km = kernels_avx512.gemv_int4_tab, kernels_amx.gemm_int4_tab
         code = _SCHEME_CODE[self.scheme]
         self._kaddr = (drv.kernel_address(kv, code), drv.kernel_address(km, code))
         self.gemv_max = gemv_max if gemv_max is not None else gemv_max_rows(self.scheme, self.variant)
@@ -443,10 +447,12 @@ class CPUMoE:
                 f"weights={self.nbytes / 2**20:.1f} MiB)")
 
     def _int4_tables(self):
-        """(w13, w2) INT4 ratio tables for the AMX large-M kernel (``kernels_amx.int4_tables``:
+        """(w13, w2) INT4 ratio tables for the AMX variant's kernels (``kernels_amx.int4_tables``:
         the group scales' ratio form, made once here instead of at every call; 16 bytes per
         block and group against the scales' 64, about 1.5 % of the weights), or None: not INT4,
-        not the AMX variant, or scales not of the quantiser's form (then every call makes them)."""
+        not the AMX variant, or scales not of the quantiser's form (then the contract kernels
+        run, on the scales). Both kernels read them: ``kernels_amx.gemm_int4_tab`` and the
+        decode's ``kernels_avx512.gemv_int4_tab``."""
         if self.scheme is not QuantScheme.INT4 or self.variant != "amx":
             return None
         from . import kernels_amx

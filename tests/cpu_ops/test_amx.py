@@ -205,6 +205,39 @@ def test_int4(K, op, m, n, d, g):
 
 
 @needs_amx
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("n,d", ND_LIST[1:])
+@pytest.mark.parametrize("m", (1, 7, 33, 150))
+def test_int4_tables(K, m, n, d, g):
+    """The INT4 kernels on ratio tables (``int4_tables``, as ``CPUMoE`` makes them at load):
+    ``gemm_int4_tab`` equals ``gemm_int4`` exactly (the same products on the same ratios) at
+    every M, inline and staged; ``gemv_int4_tab`` (AVX-512, int32 sums of r_g times each group's
+    sum) meets the reference within the GEMV's bound; both over a block range."""
+    from kt.cpu_ops import kernels_avx512 as V
+    from kt.cpu_ops.packing import pack_experts
+
+    x, w = _inputs(m, n, d, seed=m * 17 + n + d + g)
+    p = pack_experts(w[None], QuantScheme.INT4, g)
+    nb, ng = p.scale.shape[1:3]
+    tab = np.zeros((1, 1, K.int4_table_rows(nb, ng), 16), np.float32)
+    assert K.int4_tables(p.scale, tab)
+    xq, xs = ref.quantize_act(x)
+    xq = _pad_cols(xq, p.d_pad)
+    want, bound = _int_ref(x, ref.quantize(w, "int4", g), p.d_pad // g)
+    for nb0 in (0, 1):
+        plain = np.full((m, p.n_pad), np.nan, np.float32)
+        K.gemm_int4(xq, xs, p.data[0], p.scale[0], g, plain, nb0, nb)
+        for kern in (K.gemm_int4_tab, V.gemv_int4_tab):
+            out = np.full((m, p.n_pad), np.nan, np.float32)
+            kern(xq, xs, p.data[0], tab[0], g, out, nb0, nb)
+            what = f"{kern.__name__} G={g} M={m} N={n} D={d} from block {nb0}"
+            assert np.isnan(out[:, :16 * nb0]).all(), what
+            if kern is K.gemm_int4_tab:
+                assert_exact(plain[:, 16 * nb0:], out[:, 16 * nb0:], what=what)
+            _check_within(want[:, 16 * nb0:], out[:, 16 * nb0:n], bound[:, 16 * nb0:], what)
+
+
+@needs_amx
 @pytest.mark.parametrize("op", ["gemv", "gemm"])
 @pytest.mark.parametrize("n,d", ND_LIST)
 @pytest.mark.parametrize("m", M_LIST)

@@ -629,9 +629,12 @@ def test_plan_tasks_cover_every_expert_once():
 @pytest.mark.skipif("amx" not in isa.runnable_variants(), reason="the INT4 ratio tables are AMX's")
 def test_int4_ratio_tables(pool):
     """An AMX INT4 layer makes its group ratios once, at load (``kernels_amx.int4_tables``), and
-    its large-M kernel reads them: bit-identical to the contract kernel that makes them at every
-    call (decode and prefill sizes, a GPU mask, block-split tasks); the tables cost 16 bytes per
-    (block, group). Scales not of the ratio form leave the layer without tables, still exact."""
+    both its kernels read them. The large-M kernel is bit-identical to the contract kernel that
+    makes them at every call (prefill sizes, a GPU mask, block-split tasks); the decode GEMV sums
+    each group times its integer ratio in int32 where the contract GEMV adds fp32 products by the
+    group scales, so decode agrees to fp32 rounding (1e-6 of the output's norm) and with the
+    quantised reference as tightly as before. The tables cost 16 bytes per (block, group).
+    Scales not of the ratio form leave the layer without tables, still exact."""
     from kt.cpu_ops import kernels_amx as KA
 
     base, g, u, d = layer("int4", "amx", pool=pool)
@@ -648,7 +651,12 @@ def test_int4_ratio_tables(pool):
         ids, w = routing(rng, T, base.num_experts, 3)
         for bpt in ((0, 0), (2, 2)):
             base.blocks_per_task = lazy.blocks_per_task = bpt
-            assert np.array_equal(base(x, ids, w, gpu_mask=gmask), lazy(x, ids, w, gpu_mask=gmask)), (T, bpt)
+            a, b = base(x, ids, w, gpu_mask=gmask), lazy(x, ids, w, gpu_mask=gmask)
+            if T == 150:  # ~50 rows per expert: only the large-M kernel runs
+                assert np.array_equal(a, b), (T, bpt)
+            else:
+                assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b), (T, bpt)
+            check_tight(base, x, ids, w, a, mask=gmask, what=f"T={T} with tables")
     base.blocks_per_task = (0, 0)
     # one group scale off the ratio form: no tables, the contract kernel's own fallback
     w13 = base.w13
