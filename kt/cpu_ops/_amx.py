@@ -441,8 +441,8 @@ def unpack_int4_line_mul(typingctx, src, si, dst, di, r, ri):
     def codegen(context, builder, sig, args):
         v = builder.load(_vptr(context, builder, sig, args, 0, _I8X64), align=1)
         r16 = builder.load(_vptr(context, builder, sig, args, 4, _I8X16), align=1)
-        rv = builder.shuffle_vector(r16, ir.Constant(_I8X16, ir.Undefined),
-                                    ir.Constant(ir.VectorType(ir.IntType(32), 64), [i // 4 for i in range(64)]))
+        spread = ir.Constant(ir.VectorType(ir.IntType(32), 64), [i // 4 for i in range(64)])
+        rv = builder.shuffle_vector(r16, ir.Constant(_I8X16, ir.Undefined), spread)
         k15 = ir.Constant(_I8X64, [15] * 64)
         k8 = ir.Constant(_I8X64, [8] * 64)
         k4 = ir.Constant(_I8X64, [4] * 64)

@@ -29,7 +29,8 @@ __all__ = [
     # memory
     "load_i8x64", "load_i16x32", "load_i32x16", "load_f32x16",
     "load_i8x32", "load_i16x16", "load_i32x8", "load_f32x8",
-    "bcast4_i32x16", "bcast4_i32x8", "load_i8_i32x16", "store", "prefetch", "prefetch_l2", "pf_next", "empty_line",
+    "bcast4_i32x16", "bcast4_i32x8", "load_i8_i32x16", "store", "prefetch", "prefetch_l2", "pf_next",
+    "empty_line",
     # constants / broadcast of scalars
     "splat_i32x16", "splat_f32x16", "splat_i32x8", "splat_f32x8", "splat_i16x16", "splat_i8x32",
     # bit casts

@@ -641,9 +641,10 @@ def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     was 15-18 % slower that way on 2 dev threads (three runs) and 6-9 % on the device's 16 (qwen3,
     interleaved, session 20), and T=512 1-5 % slower; so the prefetch is on again, as for BF16 and
     INT4. K is not sliced (32 k-steps: all of qwen3's gate+up) when the rows fit one M chunk, as a
-    layer's experts do up to T=2048: in the layer, T=2048 was 0-8 % faster that way (three dev runs,
-    one device run) and T=512 level or faster (session 21), though one core alone at M=128 on warm
-    weights was 6 % slower. Above one chunk (issue 3's one core at M=512: 10 % faster) 16."""
+    layer's experts do up to T=2048: in the layer, T=2048 was 0-8 % faster that way (three dev runs;
+    4 % in one device run, the other within its noise) and T=512 level or faster (session 21),
+    though one core alone at M=128 on warm weights was 6 % slower. Above one chunk (issue 3's one
+    core at M=512: 10 % faster) 16."""
     mc = default_mc(xq.shape[1])
     kcs = 32 if xq.shape[0] <= mc else 16
     gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, 2, True, True)
@@ -1156,7 +1157,7 @@ def gemm_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
     the group scales): the inline kernel up to ``INT4_INLINE_MAX_M`` rows, the staged kernel
     above, with the ratios read instead of made, and 16 bytes of them per (block, group) read
     instead of 64 of scales. The qwen3 INT4 layer with it, against ``gemm_int4`` (interleaved,
-    session 21): T=512 9-11 % faster on 2 dev threads and 9 % on the device's 16, T=2048 2-4 %.
+    session 21): T=512 9-11 % faster on 2 dev threads and 8-9 % on the device's 16, T=2048 0-4 %.
     Same result as ``gemm_int4``. Not a contract kernel: ``CPUMoE`` calls it with its tables."""
     flat = tab.reshape(-1)
     nb = data.shape[0]

@@ -634,7 +634,7 @@ def test_int4_ratio_tables(pool):
     each group times its integer ratio in int32 where the contract GEMV adds fp32 products by the
     group scales, so decode agrees to fp32 rounding (1e-6 of the output's norm) and with the
     quantised reference as tightly as before. The tables cost 16 bytes per (block, group).
-    Scales not of the ratio form leave the layer without tables, still exact."""
+    Scales not of the ratio form leave the layer without tables; it still meets the reference."""
     from kt.cpu_ops import kernels_amx as KA
 
     base, g, u, d = layer("int4", "amx", pool=pool)
