@@ -72,8 +72,9 @@ A_RSLOT = 24  # int32 [rows]: gathered row -> its slot (t - t0) * K + k
 # per-participant scratch, int8 [nth, bytes each]: gathered activation rows and their scales,
 # gate+up outputs of a whole-expert task (kept in that core's cache)
 A_XGS, A_XSS, A_GUS = 25, 26, 27
-# INT4 ratio tables of w13 / w2 ([E, 1, rows, 16] fp32, kernels_amx.int4_tables), given to both
-# kernels in place of the group scales when the layer has them (address 0: none)
+# INT4 ratio tables of w13 / w2 ([E, 1, rows, 16] fp32, packing.int4_ratio_table), given to the
+# small-M kernel in place of the group scales when the layer has them (address 0: none), and to
+# the large-M kernel too if S_TABM
 A_W13R, A_W2R = 28, 29
 N_SLOTS = 30
 S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 256, 257, 258, 259, 260, 261, 262, 263
@@ -91,7 +92,8 @@ S_TAIL = 285  # whole-expert chunks: this many of the smallest experts are split
 S_TAILP = 286  # ... their gate+up into about this many tasks, their down into half as many
 S_WATCH = 287  # time-stamp-counter ticks a participant waits for another's work before it aborts
                # the job (JOB_WATCHDOG), 0 = forever (CPUMoE.watchdog_s)
-DESC_WORDS = 288  # the words above (a layer's template covers them all)
+S_TABM = 288  # 1: the large-M INT4 kernel reads the ratio tables (A_W13R / A_W2R) as well
+DESC_WORDS = 289  # the words above (a layer's template covers them all)
 R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
 RESULT_WORDS = 5
 
@@ -674,7 +676,7 @@ def _gemm_call(desc, scheme, which, e, xa, xs, out, nb0, nb1, small):
         icall8(addr, xa, xs, d, s, w, out, nb0, nb1)
     elif scheme == SCHEME_INT4:
         st = A_W13R if which == 0 else A_W2R
-        if desc[st * SLOT] != 0:
+        if desc[st * SLOT] != 0 and (small or desc[S_TABM] != 0):
             sc = st
         d, s, w = load_w_int4(desc, sd, sc, sw, e)
         icall8(addr, xa, xs, d, s, gs, out, nb0, nb1)

@@ -1130,31 +1130,10 @@ def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2):
         gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, True, True)
 
 
-def int4_table_rows(nb: int, ng: int) -> int:
-    """Rows of 16 fp32 words in one matrix's INT4 ratio table (``int4_tables``): the s_row of
-    every block, then every (block, group)'s 16 int8 ratios."""
-    return nb + -(-nb * ng // 4)
-
-
-@njit(nogil=True, cache=True)
-def int4_tables(scale, tab):
-    """The ratio tables of stacked INT4 group scales [E, nb, ng, 16] -> tab [E, 1, rows, 16] fp32
-    (rows: ``int4_table_rows``): per matrix srow [nb * 16] fp32, then rx [nb * ng * 16] int8 as
-    ``_int4_ratios`` makes them, in its words. False if a scale is not of the ratio form (the
-    table is then not usable). Made once when a layer is built, so that ``gemm_int4_tab`` neither
-    reads the group scales nor makes the ratios at every call."""
-    nb = scale.shape[1]
-    for e in range(scale.shape[0]):
-        flat = tab[e].reshape(-1)
-        if not _int4_ratios(scale[e], 0, nb, flat[:nb * 16], flat[nb * 16:].view(np.int8)):
-            return False
-    return True
-
-
 @njit(nogil=True, cache=True)
 def gemm_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
-    """``gemm_int4`` on a matrix's ratio table (``int4_tables``: tab [1, rows, 16] in place of
-    the group scales): the inline kernel up to ``INT4_INLINE_MAX_M`` rows, the staged kernel
+    """``gemm_int4`` on a matrix's ratio table (``packing.int4_ratio_table``: tab [1, rows, 16]
+    in place of the group scales): the inline kernel up to ``INT4_INLINE_MAX_M`` rows, the staged kernel
     above, with the ratios read instead of made, and 16 bytes of them per (block, group) read
     instead of 64 of scales. The qwen3 INT4 layer with it, against ``gemm_int4`` (interleaved,
     session 21): T=512 9-11 % faster on 2 dev threads and 8-9 % on the device's 16, T=2048 0-4 %.

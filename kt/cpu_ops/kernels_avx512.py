@@ -252,7 +252,7 @@ def gemv_int4_pfl(xq, xs, data, scale, group_size, out, nb0, nb1):
 
 @njit(nogil=True, cache=True)
 def gemv_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
-    """``gemv_int4_pfl`` on a matrix's INT4 ratio table (``kernels_amx.int4_tables``: the
+    """``gemv_int4_pfl`` on a matrix's INT4 ratio table (``packing.int4_ratio_table``: the
     group scales as s_row * r_g, tab [1, rows, 16] in place of the scales): each group's int32
     sum is multiplied by its integer ratio r_g and added in int32 (exact: |r_g q| <= 126 per
     weight), and one fp32 product by s_row * xs ends the row, instead of a fp32 multiply-add by

@@ -19,7 +19,7 @@ import numpy as np
 from ..config import QuantScheme, check_activations
 from . import _moe_driver as drv
 from . import _align
-from .packing import BLOCK_N, PackedWeight, aligned_packed, pack
+from .packing import BLOCK_N, PackedWeight, aligned_packed, int4_ratio_table, pack
 from .pool import CpuPool, default_pool
 
 __all__ = ["CPUMoE", "MoEHandle", "GatedHandle", "GateResult", "gemv_max_rows"]
@@ -302,15 +302,19 @@ class CPUMoE:
         else:
             kv, km, self.variant = _kernel_pair(self.scheme, variant)
         self._kv, self._km = kv, km  # (contract kernels: another layer may be built with them)
-        self._tabs = self._int4_tables() if kernels is None else None
-        if self._tabs is not None:
-            # the kernels that read the tables, not the contract's group scales
-            from . import kernels_amx, kernels_avx512
+        self._tabs, self._tab_m = None, False
+        if kernels is None and self.scheme is QuantScheme.INT4 and self.variant in ("amx", "avx512_vnni"):
+            from . import kernels_avx512
 
-            if kv is not kernels_avx512.gemv_int4_pfl:
-                self._tabs = None  # (a registry change: no table GEMV for that decode kernel)
-            else:
-                kv, km = kernels_avx512.gemv_int4_tab, kernels_amx.gemm_int4_tab
+            if kv is kernels_avx512.gemv_int4_pfl:  # (the decode kernel that has a table form)
+                self._tabs = self._int4_tables()
+            if self._tabs is not None:
+                # the kernels that read the tables instead of the contract's group scales
+                kv = kernels_avx512.gemv_int4_tab
+                if self.variant == "amx":
+                    from . import kernels_amx
+
+                    km, self._tab_m = kernels_amx.gemm_int4_tab, True
         code = _SCHEME_CODE[self.scheme]
         self._kaddr = (drv.kernel_address(kv, code), drv.kernel_address(km, code))
         self.gemv_max = gemv_max if gemv_max is not None else gemv_max_rows(self.scheme, self.variant)
@@ -447,26 +451,16 @@ class CPUMoE:
                 f"weights={self.nbytes / 2**20:.1f} MiB)")
 
     def _int4_tables(self):
-        """(w13, w2) INT4 ratio tables for the AMX variant's kernels (``kernels_amx.int4_tables``:
-        the group scales' ratio form, made once here instead of at every call), or None: not
-        INT4, not the AMX variant, or scales not of the quantiser's form (then the contract
-        kernels run, on the scales). Both kernels read them: ``kernels_amx.gemm_int4_tab`` and
-        the decode's ``kernels_avx512.gemv_int4_tab``. A block of 16 rows and a group of 64 k
-        hold 512 bytes of values and 64 of scales; the table adds 16 bytes of ratios (2.8 % more
-        memory), and the kernels read those instead of the scales (8 % fewer bytes)."""
-        if self.scheme is not QuantScheme.INT4 or self.variant != "amx":
-            return None
-        from . import kernels_amx
-
-        tabs = []
-        for p in (self.w13, self.w2):
-            e, nb, ng = p.scale.shape[:3]
-            t = _align.zeros(e * kernels_amx.int4_table_rows(nb, ng) * 16, np.float32)
-            t = t.reshape(e, 1, -1, 16)
-            if not kernels_amx.int4_tables(p.scale, t):
-                return None
-            tabs.append(t)
-        return tuple(tabs)
+        """(w13, w2) INT4 ratio tables (``packing.int4_ratio_table``: the group scales' ratio
+        form, made once here instead of at every call by the AMX prefill kernel), or None if the
+        scales are not of the quantiser's form (then the contract kernels run, on the scales).
+        The decode GEMV reads them on AVX-512 and AMX hosts (``kernels_avx512.gemv_int4_tab``),
+        and on AMX the prefill GEMM too (``kernels_amx.gemm_int4_tab``). A block of 16 rows and a
+        group of 64 k hold 512 bytes of values and 64 of scales; the table adds 16 bytes of
+        ratios (2.8 % more memory), and the kernels read those instead of the scales (8 % fewer
+        bytes)."""
+        tabs = (int4_ratio_table(self.w13.scale), int4_ratio_table(self.w2.scale))
+        return None if tabs[0] is None or tabs[1] is None else tabs
 
     # -- descriptor pieces
 
@@ -480,6 +474,7 @@ class CPUMoE:
         if self._tabs is not None:
             _put(d, drv.A_W13R, self._tabs[0])
             _put(d, drv.A_W2R, self._tabs[1])
+            d[drv.S_TABM] = int(self._tab_m)
         d[drv.S_E] = self.num_experts
         d[drv.S_H] = self.hidden
         d[drv.S_I] = self.intermediate

@@ -13,6 +13,10 @@ INT4  data  uint8  [NB, d_pad/8, 16, 4]   low nibble  = q[16b + r, 8j + i] + 8
       scale fp32   [NB, d_pad/G, 16]      one scale per (row, group of G along D)
 BF16  data  uint16 [NB, d_pad/2, 16, 2]   data[b, j, r, i] = bf16(w[16b + r, 2j + i])
 
+INT4 ratio table (``int4_ratio_table``, made at load by layers whose kernels read it): the group
+scales as s_row * r_g (``reference.int4_ratio_scales``), fp32 [1, rows, 16] per matrix: the s_row
+of every block (16 fp32 each), then every (block, group)'s 16 ratios r_g as int8.
+
 One 64-byte line is: INT8 one "k4 row" (16 rows x 4 k), the B operand of ``vpdpbusd`` and one of
 the 16 rows of an AMX ``tdpbssd`` B tile; INT4 two k4 rows (low then high nibbles); BF16 one
 "k2 row" (16 rows x 2 k), the B operand of ``vdpbf16ps`` / ``tdpbf16ps``.
@@ -30,7 +34,7 @@ from .. import reference as ref
 from . import _align
 
 __all__ = ["PackedWeight", "pack", "unpack", "pack_quantized", "aligned_packed", "padded_dims", "pack_experts",
-           "BLOCK_N", "D_ALIGN"]
+           "int4_ratio_table", "int4_table_rows", "BLOCK_N", "D_ALIGN"]
 
 BLOCK_N = 16
 D_ALIGN = 64
@@ -172,3 +176,32 @@ def pack_experts(w, scheme: QuantScheme | str, group_size: int = 64) -> PackedWe
     return PackedWeight(scheme, p0.n, p0.d, p0.n_pad, p0.d_pad, p0.group_size,
                         *(np.stack(arrs, out=_align.empty((len(arrs),) + arrs[0].shape, arrs[0].dtype))
                           for arrs in zip(*((p.data, p.scale, p.wsum) for p in parts))))
+
+
+def int4_table_rows(nb: int, ng: int) -> int:
+    """Rows of 16 fp32 words in one matrix's INT4 ratio table: nb of s_row, then nb * ng * 16
+    bytes of ratios."""
+    return nb + -(-nb * ng // 4)
+
+
+def int4_ratio_table(scale: np.ndarray) -> np.ndarray | None:
+    """The INT4 ratio tables of stacked group scales [E, NB, ng, 16] -> fp32 [E, 1, rows, 16]
+    (see the module docstring), or None if a scale is not s_row * r_g with r_g an integer in
+    [0, ``reference.INT4_RATIO_MAX``]. The arithmetic is the AMX kernels' own ratio maker's
+    (``kernels_amx._int4_ratios``), in fp32: s_row = max_g(scale) / INT4_RATIO_MAX, r_g =
+    rint(scale * (1 / s_row)), each checked exact; so the kernels that read a table compute what
+    the ones that make the ratios at every call do."""
+    e, nb, ng, _ = scale.shape
+    f32 = np.float32
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        sr = (scale.max(axis=2) / f32(ref.INT4_RATIO_MAX)).astype(f32)          # [E, NB, 16]
+        inv = np.where(sr > 0, f32(1.0) / np.where(sr > 0, sr, f32(1.0)), f32(0.0)).astype(f32)
+        r = np.rint((scale * inv[:, :, None, :]).astype(f32))
+        ok = (r * sr[:, :, None, :] == scale) & (r >= 0) & (r <= ref.INT4_RATIO_MAX)
+    if not ok.all():
+        return None
+    tab = _align.zeros((e, 1, int4_table_rows(nb, ng), BLOCK_N), np.float32)
+    flat = tab.reshape(e, -1)
+    flat[:, :nb * 16] = sr.reshape(e, -1)
+    flat[:, nb * 16:].view(np.int8)[:, :nb * ng * 16] = r.astype(np.int8).reshape(e, -1)
+    return tab

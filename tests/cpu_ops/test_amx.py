@@ -209,18 +209,23 @@ def test_int4(K, op, m, n, d, g):
 @pytest.mark.parametrize("n,d", ND_LIST[1:])
 @pytest.mark.parametrize("m", (1, 7, 33, 150))
 def test_int4_tables(K, m, n, d, g):
-    """The INT4 kernels on ratio tables (``int4_tables``, as ``CPUMoE`` makes them at load):
+    """The INT4 kernels on ratio tables (``packing.int4_ratio_table``, as ``CPUMoE`` makes them
+    at load): the table holds what the AMX kernels' own ratio maker makes (``_int4_ratios``),
     ``gemm_int4_tab`` equals ``gemm_int4`` exactly (the same products on the same ratios) at
     every M, inline and staged; ``gemv_int4_tab`` (AVX-512, int32 sums of r_g times each group's
     sum) meets the reference within the GEMV's bound; both over a block range."""
     from kt.cpu_ops import kernels_avx512 as V
-    from kt.cpu_ops.packing import pack_experts
+    from kt.cpu_ops.packing import int4_ratio_table, pack_experts
 
     x, w = _inputs(m, n, d, seed=m * 17 + n + d + g)
     p = pack_experts(w[None], QuantScheme.INT4, g)
     nb, ng = p.scale.shape[1:3]
-    tab = np.zeros((1, 1, K.int4_table_rows(nb, ng), 16), np.float32)
-    assert K.int4_tables(p.scale, tab)
+    tab = int4_ratio_table(p.scale)
+    srow, rx = np.empty(nb * 16, np.float32), np.empty(nb * ng * 16, np.int8)
+    assert K._int4_ratios(p.scale[0], 0, nb, srow, rx)
+    flat = tab.reshape(-1)
+    assert np.array_equal(flat[:nb * 16].view(np.uint32), srow.view(np.uint32))
+    assert np.array_equal(flat[nb * 16:].view(np.int8)[:nb * ng * 16], rx)
     xq, xs = ref.quantize_act(x)
     xq = _pad_cols(xq, p.d_pad)
     want, bound = _int_ref(x, ref.quantize(w, "int4", g), p.d_pad // g)

@@ -628,7 +628,7 @@ def test_plan_tasks_cover_every_expert_once():
 
 @pytest.mark.skipif("amx" not in isa.runnable_variants(), reason="the INT4 ratio tables are AMX's")
 def test_int4_ratio_tables(pool):
-    """An AMX INT4 layer makes its group ratios once, at load (``kernels_amx.int4_tables``), and
+    """An AMX INT4 layer makes its group ratios once, at load (``packing.int4_ratio_table``), and
     both its kernels read them. The large-M kernel is bit-identical to the contract kernel that
     makes them at every call (prefill sizes, a GPU mask, block-split tasks); the decode GEMV sums
     each group times its integer ratio in int32 where the contract GEMV adds fp32 products by the
@@ -636,11 +636,12 @@ def test_int4_ratio_tables(pool):
     quantised reference as tightly as before. The tables cost 16 bytes per (block, group).
     Scales not of the ratio form leave the layer without tables; it still meets the reference."""
     from kt.cpu_ops import kernels_amx as KA
+    from kt.cpu_ops.packing import int4_table_rows
 
     base, g, u, d = layer("int4", "amx", pool=pool)
     assert base._tabs is not None and base._km is KA.gemm_int4
     nb, ng = base.w13.scale.shape[1:3]
-    assert base._tabs[0].shape == (base.num_experts, 1, KA.int4_table_rows(nb, ng), 16)
+    assert base._tabs[0].shape == (base.num_experts, 1, int4_table_rows(nb, ng), 16) and base._tab_m
     lazy = CPUMoE(base.w13, base.w2, pool=pool, kernels=(base._kv, base._km), variant="amx")
     assert lazy._tabs is None
     rng = np.random.default_rng(31)
@@ -668,3 +669,24 @@ def test_int4_ratio_tables(pool):
     x = rng.standard_normal((150, base.hidden), dtype=np.float32)
     ids, w = routing(rng, 150, base.num_experts, 3)
     check_tight(m, x, ids, w, m(x, ids, w), whole=1e-3)
+
+
+@pytest.mark.skipif("avx512_vnni" not in isa.runnable_variants(), reason="needs AVX-512 VNNI")
+def test_int4_ratio_tables_avx512(pool):
+    """On an AVX-512 host without AMX (here: the avx512_vnni variant forced) only the decode GEMV
+    reads the ratio tables; the prefill GEMM keeps the group scales. Both agree with the layer
+    without tables to fp32 rounding and with the quantised reference."""
+    from kt.cpu_ops import kernels_avx512 as V
+
+    base = layer("int4", "avx512_vnni", pool=pool)[0]
+    assert base._tabs is not None and not base._tab_m and base._kv is V.gemv_int4_pfl
+    plain = CPUMoE(base.w13, base.w2, pool=pool, kernels=(base._kv, base._km), variant="avx512_vnni")
+    rng = np.random.default_rng(37)
+    for T in (1, 5, 150):
+        x = rng.standard_normal((T, base.hidden), dtype=np.float32)
+        ids, w = routing(rng, T, base.num_experts, 3)
+        a, b = base(x, ids, w), plain(x, ids, w)
+        if T == 150:
+            assert np.array_equal(a, b), T
+        assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b), T
+        check_tight(base, x, ids, w, a, what=f"T={T} avx512 with tables")
