@@ -45,6 +45,9 @@ cache.install()
 _FLIP = np.int32(-2139062144)  # 0x80808080: x ^ 0x80 == x + 128 as an unsigned byte
 _NIB = np.int32(0x0F0F0F0F)
 _NHI = np.int32(-252645136)  # 0xF0F0F0F0
+# the ratio-table bytes of a _gemv_int4 call on group scales: none (a frozen constant, so the
+# decode path allocates nothing for it)
+_NO_RX = np.zeros(0, np.int8)
 
 
 @njit(nogil=True, cache=True)
@@ -224,7 +227,7 @@ INT4_PFL_AHEAD = 4096  # bytes of packed lines gemv_int4_pfl prefetches ahead (e
 def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """INT4 small-M GEMM. xq int8 [M, d_pad], xs fp32 [M], data uint8 [NB, d_pad/8, 16, 4],
     scale fp32 [NB, d_pad/G, 16], out fp32 [M, >= 16*nb1]."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 0, False, np.empty(0, np.int8))
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 0, False, _NO_RX)
 
 
 @njit(nogil=True, cache=True)
@@ -235,8 +238,7 @@ def gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1):
     0.26 vs 0.28, T=4 0.79 vs 0.91: results/profile_moe_s5_run8_i4pf.json) and lost to every
     line 4 KB ahead, ``gemv_int4_pfl`` (T=1 0.20 vs 0.18, T=4 0.65 vs 0.55:
     results/profile_moe_s7_run1_i4pfl.json)."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PF_AHEAD, False,
-               np.empty(0, np.int8))
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PF_AHEAD, False, _NO_RX)
 
 
 @njit(nogil=True, cache=True)
@@ -246,8 +248,7 @@ def gemv_int4_pfl(xq, xs, data, scale, group_size, out, nb0, nb1):
     weights, interleaved) it reads 29-31 GB/s where the plain kernel reads 26-27 and the
     every-other-line prefetch of ``gemv_int4_pf`` 22-24: Zen 4 does not fetch the pair's other
     line by itself. On the AMX Xeon (16 threads, qwen3 layer) it beat ``gemv_int4_pf`` too."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True,
-               np.empty(0, np.int8))
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True, _NO_RX)
 
 
 @njit(nogil=True, cache=True)
