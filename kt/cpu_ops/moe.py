@@ -69,6 +69,18 @@ def _is_torch(a) -> bool:
     return type(a).__module__.startswith("torch") and hasattr(a, "detach")
 
 
+def _torch_cpu(name: str, a):
+    """A torch tensor's data on the CPU without autograd (no copy if it is there already), or a
+    clear error for a meta tensor. Written with the cheap attribute reads (``is_cpu``,
+    ``requires_grad``): a decode call does this for four tensors, and ``.device.type`` and an
+    unneeded ``detach()`` cost ~0.5 us each."""
+    if a.is_meta:
+        raise ValueError(f"{name} is a meta tensor (it has no data)")
+    if a.requires_grad:
+        a = a.detach()
+    return a if a.is_cpu else a.cpu()
+
+
 def _to_numpy_2d(name: str, a, dtypes: tuple[str, ...]):
     """-> (numpy array, kind) with kind 'f32' or 'bf16' (uint16 bit patterns)."""
     if _is_torch(a):
@@ -76,13 +88,13 @@ def _to_numpy_2d(name: str, a, dtypes: tuple[str, ...]):
 
         if a.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(a.shape)}")
-        t = a.detach()
-        if t.device.type == "meta":
-            raise ValueError(f"{name} is a meta tensor (it has no data)")
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.dtype == torch.bfloat16:
-            return np.ascontiguousarray(t.contiguous().view(torch.int16).numpy()).view(np.uint16), "bf16"
+        t = _torch_cpu(name, a)
+        if t.dtype is torch.bfloat16:
+            if not t.is_contiguous():
+                t = t.contiguous()
+            return t.view(torch.int16).numpy().view(np.uint16), "bf16"
+        if t.dtype is torch.float32 and t.is_contiguous():
+            return t.numpy(), "f32"
         if t.dtype in (torch.float16, torch.float32, torch.float64):
             return np.ascontiguousarray(t.to(torch.float32).numpy()), "f32"
         raise TypeError(f"{name} must be bf16, fp16 or fp32, got {t.dtype}")
@@ -96,23 +108,16 @@ def _to_numpy_2d(name: str, a, dtypes: tuple[str, ...]):
 
 
 def _routing(name_ids, ids, name_w, w, T, E):
-    def arr(a):
+    def arr(name, a):
         if _is_torch(a):
-            if a.device.type == "meta":
-                raise ValueError("a meta tensor (it has no data)")
-            return a.detach().cpu().numpy() if str(a.dtype) != "torch.bfloat16" else a.detach().cpu().float().numpy()
+            t = _torch_cpu(name, a)
+            return t.float().numpy() if str(t.dtype) == "torch.bfloat16" else t.numpy()
         if isinstance(a, np.ndarray):
             return a
-        raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
 
-    try:
-        ids_np = arr(ids)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name_ids}: {exc}") from None
-    try:
-        w_np = arr(w)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name_w}: {exc}") from None
+    ids_np = arr(name_ids, ids)
+    w_np = arr(name_w, w)
     if ids_np.ndim != 2 or ids_np.shape[0] != T:
         raise ValueError(f"{name_ids} must be [T={T}, K], got shape {ids_np.shape}")
     if ids_np.dtype.kind not in "iu":
@@ -652,7 +657,7 @@ class CPUMoE:
         E = self.num_experts
         if gpu_mask is None:
             return self._all_cpu
-        gm = gpu_mask.detach().cpu().numpy() if _is_torch(gpu_mask) else np.asarray(gpu_mask)
+        gm = _torch_cpu("gpu_mask", gpu_mask).numpy() if _is_torch(gpu_mask) else np.asarray(gpu_mask)
         if gm.shape != (E,):
             raise ValueError(f"gpu_mask must be [E={E}] bool, got shape {gm.shape}")
         if gm.dtype != np.bool_:
@@ -827,7 +832,7 @@ def _finish_out(ob, out, direct, x, torch_in, xkind, okind):
             res = torch.from_numpy(ob.view(np.int16)).view(torch.bfloat16)
         else:
             res = torch.from_numpy(ob).to(x.dtype)
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             res = res.to(x.device)
     else:
         res = ob if x.dtype == np.float32 else ob.astype(x.dtype)
