@@ -787,6 +787,11 @@ def moe_job(nth, jctrl, desc):
         for ph in range(PHASES):
             base = pbase + ph * PHASE_WORDS
             n = 1 if ph == 0 else atomic_load(jctrl, base + 2 * CTRL_STRIDE)
+            if n == 0:
+                # a phase without tasks (decode has three, a fused prefill chunk two): no claim
+                # on its shared counter (an atomic add on one line by every participant) and no
+                # barrier; whatever a later phase reads was finished before the last barrier
+                continue
             while True:
                 if atomic_load(jctrl, JOB_ABORT) != 0:
                     return
