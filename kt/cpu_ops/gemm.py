@@ -14,7 +14,7 @@ import numpy as np
 from ..config import QuantScheme
 from ..reference import to_numpy_f32
 from . import _align, isa, registry
-from .packing import PackedWeight
+from .packing import PackedWeight, int4_has_minus8
 from .tiling import TileConfig, choose
 
 __all__ = ["linear", "kernel_for", "activation_buffers", "prepare_activations", "launch"]
@@ -129,6 +129,10 @@ def linear(x, packed: PackedWeight, variant: str | None = None, op: str | None =
     if tile is None:
         tile = choose(m, packed.n, packed.d, packed.scheme, variant, op=op)
     kernel = kernel_for(tile.op, packed.scheme, variant)
+    if (tile.op == "gemm" and registry.lookup("gemm", packed.scheme, variant).variant == "amx"
+            and int4_has_minus8(packed)):
+        # the AMX INT4 GEMM forms r_g * q in int8, which q = -8 leaves (packing.int4_has_minus8)
+        kernel = kernel_for("gemm", packed.scheme, "avx512_vnni")
     bufs = activation_buffers(m, packed)
     prepare_activations(x, packed, bufs)
     out = _align.empty((m, packed.n_pad), np.float32)

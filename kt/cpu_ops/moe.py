@@ -12,6 +12,7 @@ unless one is given). Scratch buffers belong to the pool and are shared by every
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from ..config import QuantScheme, check_activations
 from . import _moe_driver as drv
 from . import _align
-from .packing import BLOCK_N, PackedWeight, aligned_packed, int4_ratio_table, pack
+from .packing import BLOCK_N, PackedWeight, aligned_packed, int4_has_minus8, int4_ratio_table, pack
 from .pool import CpuPool, default_pool
 
 __all__ = ["CPUMoE", "MoEHandle", "GatedHandle", "GateResult", "gemv_max_rows"]
@@ -308,6 +309,16 @@ class CPUMoE:
             kv, km, self.variant = _kernel_pair(self.scheme, variant)
         self._kv, self._km = kv, km  # (contract kernels: another layer may be built with them)
         self._tabs, self._tab_m = None, False
+        minus8 = (kernels is None and self.variant == "amx" and self.scheme is QuantScheme.INT4
+                  and (int4_has_minus8(self.w13) or int4_has_minus8(self.w2)))
+        if minus8:
+            from . import registry
+
+            warnings.warn("CPUMoE: these INT4 weights hold the value -8, which kt's quantiser never "
+                          "writes ([-7, 7]); the AMX INT4 GEMM cannot multiply it by its group ratio "
+                          "in int8, so this layer's prefill runs the AVX-512 VNNI GEMM instead (exact, "
+                          "slower)", UserWarning, stacklevel=2)
+            km = registry.lookup("gemm", self.scheme, "avx512_vnni").load()
         if kernels is None and self.scheme is QuantScheme.INT4 and self.variant in ("amx", "avx512_vnni"):
             from . import kernels_avx512
 
@@ -316,7 +327,7 @@ class CPUMoE:
             if self._tabs is not None:
                 # the kernels that read the tables instead of the contract's group scales
                 kv = kernels_avx512.gemv_int4_tab
-                if self.variant == "amx":
+                if self.variant == "amx" and not minus8:
                     from . import kernels_amx
 
                     km, self._tab_m = kernels_amx.gemm_int4_tab, True

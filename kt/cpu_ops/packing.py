@@ -34,7 +34,7 @@ from .. import reference as ref
 from . import _align
 
 __all__ = ["PackedWeight", "pack", "unpack", "pack_quantized", "aligned_packed", "padded_dims", "pack_experts",
-           "int4_ratio_table", "int4_table_rows", "BLOCK_N", "D_ALIGN"]
+           "int4_ratio_table", "int4_table_rows", "int4_has_minus8", "BLOCK_N", "D_ALIGN"]
 
 BLOCK_N = 16
 D_ALIGN = 64
@@ -176,6 +176,23 @@ def pack_experts(w, scheme: QuantScheme | str, group_size: int = 64) -> PackedWe
     return PackedWeight(scheme, p0.n, p0.d, p0.n_pad, p0.d_pad, p0.group_size,
                         *(np.stack(arrs, out=_align.empty((len(arrs),) + arrs[0].shape, arrs[0].dtype))
                           for arrs in zip(*((p.data, p.scale, p.wsum) for p in parts))))
+
+
+def int4_has_minus8(p: PackedWeight) -> bool:
+    """Whether an INT4 weight (or stack) holds the value -8 (a nibble of 0). The format can store
+    it, but kt's quantiser writes [-7, 7] (``reference.QuantizedWeight``), and the AMX INT4 GEMM
+    forms r_g * q in int8, which -8 leaves for r_g >= 17: callers that would run that kernel take
+    another one for such a weight (``CPUMoE``, ``gemm.linear``). One pass over the values
+    (~6 GB/s on one dev core), remembered on the object."""
+    if p.scheme is not QuantScheme.INT4:
+        return False
+    known = p.__dict__.get("_has_minus8")
+    if known is None:
+        from ._scan import any_zero_nibble
+
+        known = bool(any_zero_nibble(np.ascontiguousarray(p.data).reshape(-1).view(np.uint64)))
+        object.__setattr__(p, "_has_minus8", known)  # a frozen dataclass: a cache, not a field
+    return known
 
 
 def int4_table_rows(nb: int, ng: int) -> int:

@@ -191,6 +191,25 @@ def test_linear_wrapper(scheme):
     assert gemm.linear(x[:0], p).shape == (0, 100)
 
 
+def test_int4_minus8_exact_on_every_variant():
+    """An INT4 weight holding -8 (a nibble of 0; kt's quantiser writes [-7, 7]) meets the
+    reference through ``linear`` on every variant and op: on AMX the GEMM then runs the AVX-512
+    VNNI kernel (the AMX one forms r_g * q in int8, where -8 * 17 does not fit)."""
+    rng = np.random.default_rng(9)
+    x, w = _data(40, 64, 256, seed=9)
+    q = ref.quantize(w, "int4", 64)
+    qq = q.q.copy()
+    qq[rng.random(qq.shape) < 0.2] = -8
+    q8 = ref.QuantizedWeight(q.scheme, qq, q.scale, q.group_size)
+    p = packing.pack_quantized(q8, 64)
+    assert packing.int4_has_minus8(p) and not packing.int4_has_minus8(packing.pack_quantized(q, 64))
+    want = ref.linear(ref.act_roundtrip(x, QuantScheme.INT4, "int8"), ref.dequantize(q8))
+    for variant in isa.runnable_variants():
+        for op in ("gemv", "gemm"):
+            got = gemm.linear(x, p, variant=variant, op=op)
+            assert ref.relative_error(got, want) < 1e-6, (variant, op)
+
+
 def test_linear_rejects_bad_input():
     x, w = _data(3, 32, 64, seed=6)
     p = packing.pack(w, "int8")

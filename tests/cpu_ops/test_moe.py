@@ -11,6 +11,8 @@ changes that token's output by ~1e-3 of its norm. Hence: the whole output within
 
 Accuracy tests compare with ``reference.moe_forward`` on the unquantised weights.
 """
+import warnings
+
 import numpy as np
 import pytest
 
@@ -669,6 +671,33 @@ def test_int4_ratio_tables(pool):
     x = rng.standard_normal((150, base.hidden), dtype=np.float32)
     ids, w = routing(rng, 150, base.num_experts, 3)
     check_tight(m, x, ids, w, m(x, ids, w), whole=1e-3)
+
+
+def test_int4_minus8_is_exact(pool):
+    """INT4 values of -8 (a nibble of 0: the format stores them, kt's quantiser never writes
+    them) give the quantised reference's result on every host: on AMX the layer warns and runs
+    its prefill on the AVX-512 VNNI GEMM (the AMX GEMM's int8 product r_g * -8 overflows for r_g
+    >= 17), at decode and prefill sizes."""
+    from kt.cpu_ops.packing import int4_has_minus8
+
+    base = layer("int4", None, pool=pool)[0]
+    assert not int4_has_minus8(base.w13) and not int4_has_minus8(base.w2)
+    rng = np.random.default_rng(41)
+    data = base.w13.data.copy()
+    hit = rng.random(data.shape) < 0.1
+    data[hit] &= np.uint8(0xF0)  # low nibble 0: q = -8, next to the quantiser's values
+    w13 = type(base.w13)(base.w13.scheme, base.w13.n, base.w13.d, base.w13.n_pad, base.w13.d_pad,
+                         base.w13.group_size, data, base.w13.scale, base.w13.wsum)
+    assert int4_has_minus8(w13)
+    amx = "amx" in isa.runnable_variants()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        m = CPUMoE(w13, base.w2, pool=pool)
+    assert any("-8" in str(w.message) for w in got) == amx
+    for T in (1, 150):
+        x = rng.standard_normal((T, base.hidden), dtype=np.float32)
+        ids, w = routing(rng, T, base.num_experts, 3)
+        check_tight(m, x, ids, w, m(x, ids, w), what=f"T={T} with -8 values")
 
 
 @pytest.mark.skipif("avx512_vnni" not in isa.runnable_variants(), reason="needs AVX-512 VNNI")
