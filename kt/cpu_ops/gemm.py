@@ -132,7 +132,7 @@ def linear(x, packed: PackedWeight, variant: str | None = None, op: str | None =
     if (tile.op == "gemm" and registry.lookup("gemm", packed.scheme, variant).variant == "amx"
             and int4_has_minus8(packed)):
         # the AMX INT4 GEMM forms r_g * q in int8, which q = -8 leaves (packing.int4_has_minus8)
-        kernel = kernel_for("gemm", packed.scheme, "avx512_vnni")
+        from .kernels_amx import gemm_int4_flush as kernel
     bufs = activation_buffers(m, packed)
     prepare_activations(x, packed, bufs)
     out = _align.empty((m, packed.n_pad), np.float32)

@@ -1131,6 +1131,17 @@ def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2):
 
 
 @njit(nogil=True, cache=True)
+def gemm_int4_flush(xq, xs, data, scale, group_size, out, nb0, nb1):
+    """Large-M INT4 (the ``gemm_int4`` contract) on the per-group flush kernel alone
+    (``gemm_int4_blocked``): exact for every stored value, -8 included, which the ratio kernels'
+    int8 products r_g * q cannot hold for r_g >= 17 (``packing.int4_has_minus8``). Not
+    registered: ``CPUMoE`` and ``gemm.linear`` take it for weights holding -8."""
+    kc = max(512, group_size)
+    gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, default_mc(xq.shape[1]), kc,
+                      True, True)
+
+
+@njit(nogil=True, cache=True)
 def gemm_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
     """``gemm_int4`` on a matrix's ratio table (``packing.int4_ratio_table``: tab [1, rows, 16]
     in place of the group scales): the inline kernel up to ``INT4_INLINE_MAX_M`` rows, the staged kernel

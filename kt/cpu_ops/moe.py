@@ -309,28 +309,29 @@ class CPUMoE:
             kv, km, self.variant = _kernel_pair(self.scheme, variant)
         self._kv, self._km = kv, km  # (contract kernels: another layer may be built with them)
         self._tabs, self._tab_m = None, False
-        minus8 = (kernels is None and self.variant == "amx" and self.scheme is QuantScheme.INT4
-                  and (int4_has_minus8(self.w13) or int4_has_minus8(self.w2)))
-        if minus8:
-            from . import registry
-
-            warnings.warn("CPUMoE: these INT4 weights hold the value -8, which kt's quantiser never "
-                          "writes ([-7, 7]); the AMX INT4 GEMM cannot multiply it by its group ratio "
-                          "in int8, so this layer's prefill runs the AVX-512 VNNI GEMM instead (exact, "
-                          "slower)", UserWarning, stacklevel=2)
-            km = registry.lookup("gemm", self.scheme, "avx512_vnni").load()
         if kernels is None and self.scheme is QuantScheme.INT4 and self.variant in ("amx", "avx512_vnni"):
             from . import kernels_avx512
 
             if kv is kernels_avx512.gemv_int4_pfl:  # (the decode kernel that has a table form)
                 self._tabs = self._int4_tables()
             if self._tabs is not None:
-                # the kernels that read the tables instead of the contract's group scales
+                # the decode kernel that reads the tables instead of the contract's group scales
                 kv = kernels_avx512.gemv_int4_tab
-                if self.variant == "amx" and not minus8:
-                    from . import kernels_amx
-
-                    km, self._tab_m = kernels_amx.gemm_int4_tab, True
+            if self.variant == "amx":
+                from . import kernels_amx  # (importable only where AMX runs)
+            if self.variant == "amx" and (int4_has_minus8(self.w13) or int4_has_minus8(self.w2)):
+                # the AMX GEMM's ratio products r_g * q leave int8 for q = -8 (r_g >= 17): the
+                # per-group kernel, exact for every value
+                km = kernels_amx.gemm_int4_flush
+                if self._tabs is not None:
+                    warnings.warn("CPUMoE: these INT4 weights hold the value -8, which kt's "
+                                  "quantiser never writes ([-7, 7]); the fast AMX INT4 GEMM cannot "
+                                  "multiply it by its group ratio in int8, so this layer's prefill "
+                                  "runs the per-group AMX kernel instead (exact, slower)",
+                                  UserWarning, stacklevel=2)
+            elif self.variant == "amx" and self._tabs is not None:
+                # the prefill GEMM on the tables too
+                km, self._tab_m = kernels_amx.gemm_int4_tab, True
         code = _SCHEME_CODE[self.scheme]
         self._kaddr = (drv.kernel_address(kv, code), drv.kernel_address(km, code))
         self.gemv_max = gemv_max if gemv_max is not None else gemv_max_rows(self.scheme, self.variant)

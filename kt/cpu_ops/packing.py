@@ -11,6 +11,9 @@ INT8  data  int8   [NB, d_pad/4, 16, 4]   data[b, j, r, i] = q[16b + r, 4j + i]
 INT4  data  uint8  [NB, d_pad/8, 16, 4]   low nibble  = q[16b + r, 8j + i] + 8
                                           high nibble = q[16b + r, 8j + 4 + i] + 8
       scale fp32   [NB, d_pad/G, 16]      one scale per (row, group of G along D)
+                                          (kt's quantiser writes q in [-7, 7]; a nibble of 0,
+                                          q = -8, runs exactly but not on the AMX GEMM:
+                                          ``int4_has_minus8``)
 BF16  data  uint16 [NB, d_pad/2, 16, 2]   data[b, j, r, i] = bf16(w[16b + r, 2j + i])
 
 INT4 ratio table (``int4_ratio_table``, made at load by layers whose kernels read it): the group
