@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kt.config import QuantScheme
+from kt.reference import int4_ratio_scales
 from kt.cpu_ops.packing import BLOCK_N, PackedWeight, padded_dims
 
 __all__ = ["ModelConfig", "QWEN3_30B_A3B", "TINY", "LinePool", "random_packed", "make_expert_sets",
@@ -62,11 +63,13 @@ TINY = ModelConfig("tiny", 2, 8, 2, 64, 64, 4, 2, 16, 256)
 
 _LINE_ROWS, _LINE_K = BLOCK_N, 4  # one 64-byte packed line: 16 rows x 4 bytes
 _STD_INT8 = math.sqrt((255 ** 2 - 1) / 12)  # std of integers uniform in [-127, 127]
-_STD_INT4 = math.sqrt((16 ** 2 - 1) / 12)  # std of integers uniform in [-8, 7]
+_STD_INT4 = math.sqrt((15 ** 2 - 1) / 12)  # std of integers uniform in [-7, 7]
 
 
 class LinePool:
-    """Random 64-byte lines ([lines, 16, 4] int8 in [-127, 127]) and their per-row prefix sums.
+    """Random 64-byte lines ([lines, 16, 4] int8 in [-127, 127]) and their per-row prefix sums, and
+    as many INT4 lines (bytes of two nibbles in [1, 15], i.e. q in [-7, 7], as kt's quantiser
+    writes them: a nibble of 0, q = -8, would send AMX prefill to the per-group kernel).
 
     prefix[m, r] = sum over lines < m of sum_i line[r, i]; a window of lines [o, o + J) has row sums
     prefix[o + J] - prefix[o] (the INT8 ``wsum`` of a 16-row block made of that window).
@@ -75,7 +78,8 @@ class LinePool:
     def __init__(self, lines: int, seed: int):
         rng = np.random.default_rng(seed)
         self.int8 = rng.integers(-127, 128, size=(lines, _LINE_ROWS, _LINE_K), dtype=np.int8)
-        self.bytes = self.int8.view(np.uint8)  # INT4: any byte is two valid nibbles
+        nib = rng.integers(1, 16, size=(2, lines, _LINE_ROWS, _LINE_K), dtype=np.uint8)
+        self.int4 = nib[0] | (nib[1] << 4)
         self.prefix = np.zeros((lines + 1, _LINE_ROWS), np.int64)
         np.cumsum(self.int8.sum(axis=2, dtype=np.int32), axis=0, out=self.prefix[1:])
 
@@ -107,7 +111,7 @@ def random_packed(pool: LinePool, e: int, n: int, d: int, scheme: QuantScheme, g
         j = d // 8
         data = np.empty((e, nb, j, _LINE_ROWS, _LINE_K), np.uint8)
         wsum = np.zeros((e, 0), np.int32)
-        src = pool.bytes
+        src = pool.int4
     else:
         raise ValueError(f"random_packed makes INT8 or INT4 weights, not {scheme.value}")
     if j > pool.lines:
@@ -125,7 +129,10 @@ def random_packed(pool: LinePool, e: int, n: int, d: int, scheme: QuantScheme, g
         scale = (rng.uniform(0.9, 1.1, size=(e, n)) / (_STD_INT8 * math.sqrt(d))).astype(np.float32)
         return PackedWeight(scheme, n, d, n, d, 0, data, scale, wsum)
     ng = d // group_size
-    scale = (rng.uniform(0.9, 1.1, size=(e, nb, ng, BLOCK_N)) / (_STD_INT4 * math.sqrt(d))).astype(np.float32)
+    s0 = (rng.uniform(0.9, 1.1, size=(e, nb, BLOCK_N, ng)) / (_STD_INT4 * math.sqrt(d))).astype(np.float32)
+    # the quantiser's form s_row * r_g (what converted weights hold and the AMX ratio kernels need)
+    ratio = int4_ratio_scales(s0.reshape(-1, ng)).reshape(e, nb, BLOCK_N, ng)
+    scale = np.ascontiguousarray(ratio.transpose(0, 1, 3, 2))
     return PackedWeight(scheme, n, d, n, d, group_size, data, scale, wsum)
 
 
