@@ -129,7 +129,8 @@ def linear(x, packed: PackedWeight, variant: str | None = None, op: str | None =
     if tile is None:
         tile = choose(m, packed.n, packed.d, packed.scheme, variant, op=op)
     kernel = kernel_for(tile.op, packed.scheme, variant)
-    if (tile.op == "gemm" and registry.lookup("gemm", packed.scheme, variant).variant == "amx"
+    if (packed.scheme is QuantScheme.INT4 and tile.op == "gemm"
+            and registry.lookup("gemm", packed.scheme, variant).variant == "amx"
             and int4_has_minus8(packed)):
         # the AMX INT4 GEMM forms r_g * q in int8, which q = -8 leaves (packing.int4_has_minus8)
         from .kernels_amx import gemm_int4_flush as kernel

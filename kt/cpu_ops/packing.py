@@ -12,8 +12,8 @@ INT4  data  uint8  [NB, d_pad/8, 16, 4]   low nibble  = q[16b + r, 8j + i] + 8
                                           high nibble = q[16b + r, 8j + 4 + i] + 8
       scale fp32   [NB, d_pad/G, 16]      one scale per (row, group of G along D)
                                           (kt's quantiser writes q in [-7, 7]; a nibble of 0,
-                                          q = -8, runs exactly but not on the AMX GEMM:
-                                          ``int4_has_minus8``)
+                                          q = -8, runs exactly, but on AMX not on the ratio
+                                          kernels: ``int4_has_minus8``)
 BF16  data  uint16 [NB, d_pad/2, 16, 2]   data[b, j, r, i] = bf16(w[16b + r, 2j + i])
 
 INT4 ratio table (``int4_ratio_table``, made at load by layers whose kernels read it): the group
@@ -183,9 +183,9 @@ def pack_experts(w, scheme: QuantScheme | str, group_size: int = 64) -> PackedWe
 
 def int4_has_minus8(p: PackedWeight) -> bool:
     """Whether an INT4 weight (or stack) holds the value -8 (a nibble of 0). The format can store
-    it, but kt's quantiser writes [-7, 7] (``reference.QuantizedWeight``), and the AMX INT4 GEMM
-    forms r_g * q in int8, which -8 leaves for r_g >= 17: callers that would run that kernel take
-    another one for such a weight (``CPUMoE``, ``gemm.linear``). One pass over the values
+    it, but kt's quantiser writes [-7, 7] (``reference.QuantizedWeight``), and the AMX INT4 ratio
+    kernels form r_g * q in int8, which -8 leaves for r_g >= 17: callers that would run them take
+    the per-group kernel for such a weight (``CPUMoE``, ``gemm.linear``). One pass over the values
     (~6 GB/s on one dev core), remembered on the object."""
     if p.scheme is not QuantScheme.INT4:
         return False
