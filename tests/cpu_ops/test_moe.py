@@ -382,6 +382,17 @@ def test_torch_io_and_async(pool):
     assert torch.equal(o, out)
     o16 = m(x32.astype(np.float16), ids, w)
     assert o16.dtype == np.float16
+    # the tensor forms a model may hold: autograd leaves, strided views, bf16 weights, a torch
+    # mask; each gives the numpy path's bits
+    x_grad = torch.from_numpy(x32).requires_grad_(True)
+    assert np.array_equal(m(x_grad, ids, w).detach().numpy(), m(x32, ids, w))
+    xt = torch.from_numpy(np.ascontiguousarray(x32.T)).to(torch.bfloat16).t()  # not contiguous
+    assert not xt.is_contiguous() and torch.equal(m(xt, ids, w), out)
+    wb = torch.from_numpy(w).to(torch.bfloat16)
+    gm = torch.zeros(E, dtype=torch.bool)
+    gm[1] = True
+    assert torch.equal(m(xb, torch.from_numpy(ids), wb, gpu_mask=gm),
+                       m(xb, ids, wb.float().numpy(), gpu_mask=gm.numpy()))
 
 
 def test_profile_books_every_phase(pool):
