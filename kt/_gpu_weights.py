@@ -76,29 +76,42 @@ def unpack_on_device(p: PackedWeight, data: torch.Tensor, scale: torch.Tensor | 
 
 _PINNED: set = set()
 PIN_MIN_BYTES = 1 << 20
+_PAGE = 4096
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 _CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 
 
+def pinned_span(a: np.ndarray) -> tuple[int, int]:
+    """The byte range [i0, i1) of a C-contiguous array that ``pin_host_array`` page-locks: the
+    whole pages inside the array, and only those. A page the array shares with a neighbour (its
+    first and last, when the array does not start or end on a page) is never locked: locking it
+    would reach into the neighbour, and a copy from a range that starts in locked memory and runs
+    past it fails ("invalid argument" on the H200: layer-wise prefill of heap-allocated scale
+    arrays next to each other, session 22). (0, 0) when the inside is under ``PIN_MIN_BYTES``."""
+    base = a.ctypes.data
+    p0 = -(-base // _PAGE) * _PAGE
+    p1 = (base + a.nbytes) // _PAGE * _PAGE
+    if p1 - p0 < PIN_MIN_BYTES:
+        return 0, 0
+    return p0 - base, p1 - base
+
+
 def pin_host_array(a: np.ndarray) -> bool:
-    """Page-lock a numpy array's memory for fast DMA; False if the driver refuses.
+    """Page-lock the pages inside a C-contiguous numpy array (``pinned_span``) for fast DMA;
+    False if there are too few of them (arrays under ~1 MiB stay pageable: at that size DMA speed
+    does not matter) or the driver refuses. Copies from such an array go through
+    ``copy_host_to_device``, which sends the locked span and the unlocked ends separately.
 
     Uses the driver API (cuMemHostRegister), whose errors do not linger in the runtime's
     last-error state the way cudaHostRegister's do (torch would raise them at its next launch).
-    The range is widened to whole pages; pages already locked (another array sharing a page, or
-    an earlier call) count as locked. Arrays under 1 MiB are left pageable: they live in the
-    allocator's heap, whose pages other objects share and may give back while the registration
-    lasts (the H200 raised "invalid argument" on copies from such arrays), and at that size DMA
-    speed does not matter.
+    Only pages wholly inside one array are locked, so two arrays' registrations never overlap.
     """
     import ctypes
 
-    if a.nbytes < PIN_MIN_BYTES:
+    i0, i1 = pinned_span(a)
+    if i1 <= i0:
         return False
-    page = 4096
-    start = a.ctypes.data // page * page
-    end = -(-(a.ctypes.data + a.nbytes) // page) * page
-    key = (start, end)
+    key = (a.ctypes.data + i0, a.ctypes.data + i1)
     if key in _PINNED:
         return True
     try:
@@ -109,11 +122,24 @@ def pin_host_array(a: np.ndarray) -> bool:
     reg.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     reg.restype = ctypes.c_int
     for flags in (0, _CU_MEMHOSTREGISTER_READ_ONLY):  # read-only: file mappings opened read-only
-        rc = reg(ctypes.c_void_p(start), end - start, flags)
+        rc = reg(ctypes.c_void_p(key[0]), key[1] - key[0], flags)
         if rc in (0, _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
             _PINNED.add(key)
             return True
     return False
+
+
+def copy_host_to_device(dst: torch.Tensor, a: np.ndarray) -> None:
+    """dst[:a.nbytes] (uint8, on a GPU) <- a's bytes, on the current stream, asynchronously from
+    the span ``pin_host_array`` locked and through the driver's staging for the rest (the pages
+    at the ends, a few KiB at most, or all of an array that is not locked)."""
+    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    i0, i1 = pinned_span(flat)
+    locked = i1 > i0 and (flat.ctypes.data + i0, flat.ctypes.data + i1) in _PINNED
+    cuts = (0, i0, i1, flat.size) if locked else (0, flat.size)
+    for c0, c1 in zip(cuts[:-1], cuts[1:]):
+        if c1 > c0:
+            dst[c0:c1].copy_(torch.from_numpy(flat[c0:c1]), non_blocking=True)
 
 
 _TORCH_DT = {np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8,
@@ -170,8 +196,7 @@ class LayerStaging:
                 bufs[n] = torch.empty(arrays[n].nbytes, dtype=torch.uint8, device=self.device)
         with torch.cuda.stream(cs):
             for n, a in arrays.items():
-                src = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-                bufs[n][: a.nbytes].copy_(src, non_blocking=True)
+                copy_host_to_device(bufs[n], a)
         ready = torch.cuda.Event()
         ready.record(cs)
         return ready

@@ -216,6 +216,45 @@ def test_cuda_placements_match_the_cpu_layer(weights, frac):
         assert layer.stats.last_path == "hybrid"
 
 
+def test_pinned_span_is_the_pages_inside_an_array():
+    """Page-locking covers only the whole pages inside an array (``_gpu_weights.pinned_span``), so
+    arrays that share a page never lock each other's memory: two neighbours in one buffer get
+    disjoint spans, neither holding the page between them; small insides are not locked."""
+    from kt._gpu_weights import PIN_MIN_BYTES, pinned_span
+
+    page = 4096
+    buf = np.empty(6 << 20, np.uint8)
+    base = -(-buf.ctypes.data // page) * page - buf.ctypes.data  # the buffer's first page start
+    cut = base + (3 << 20) + 100                                   # inside a page
+    a, b = buf[base + 40:cut], buf[cut:base + (6 << 20) - page]
+    (a0, a1), (b0, b1) = pinned_span(a), pinned_span(b)
+    assert a0 == page - 40 and (a.ctypes.data + a1) % page == 0 and a1 <= a.nbytes
+    assert b0 == page - 100 and b1 == b.nbytes
+    assert a.ctypes.data + a1 < b.ctypes.data + b0           # the shared page is in neither
+    assert a.ctypes.data + a1 + page == b.ctypes.data + b0
+    assert pinned_span(buf[base + 40:base + 40 + PIN_MIN_BYTES]) == (0, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (page-locked copies)")
+def test_cuda_copies_from_neighbouring_pinned_arrays():
+    """Two arrays that share a page, both page-locked, copy to the GPU intact (layer-wise prefill
+    of heap-allocated neighbours failed with "invalid argument" when a lock reached into the
+    next array, session 22)."""
+    from kt._gpu_weights import copy_host_to_device, pin_host_array
+
+    page = 4096
+    buf = np.random.default_rng(3).integers(0, 256, size=8 << 20, dtype=np.uint8)
+    base = -(-buf.ctypes.data // page) * page - buf.ctypes.data
+    cut = base + (3 << 20) + 100
+    parts = [buf[base + 40:cut], buf[cut:]]
+    assert all(pin_host_array(p) for p in parts)
+    for p in parts:
+        dst = torch.empty(p.nbytes + 64, dtype=torch.uint8, device="cuda")
+        copy_host_to_device(dst, p)
+        torch.cuda.synchronize()
+        assert np.array_equal(dst[: p.nbytes].cpu().numpy(), p)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (layer-wise prefill)")
 @pytest.mark.parametrize("scheme", ["int8", "bf16"])
 def test_cuda_layerwise_prefill_with_prefetch_matches_the_cpu_path(scheme):
