@@ -923,12 +923,19 @@ def moe_job(nth, jctrl, desc):
                 prof[ph, 1] += cycles() - tw0
             if not ok:
                 return
-    if gate != 0 and atomic_add(jctrl, gb + G_FIN, 1) == 0:
-        # the first participant out publishes the result to the stream: "start" is consumed
-        # (the stream writes it again only after it saw "done"), then "done"
-        res[R_BAD_IDS] = jctrl[gb + G_BAD]
-        res[R_END_CYCLES] = cycles()
-        res[R_FINISHED] = 1
-        flag_store(gate, 0)
-        flag_store(desc[S_DONE], 1)
+    if gate != 0:
+        if atomic_add(jctrl, gb + G_FIN, 1) == 0:
+            # the first participant out publishes the result to the stream: "start" is consumed
+            # (the stream writes it again only after it saw "done"), then "done"
+            res[R_BAD_IDS] = jctrl[gb + G_BAD]
+            res[R_END_CYCLES] = cycles()
+            res[R_FINISHED] = 1
+            flag_store(gate, 0)
+            flag_store(desc[S_DONE], 1)
+            # and it alone marks the job complete, after its result words: another participant
+            # doing so could let the waiting thread read R_FINISHED before it is written (the
+            # handle then reports the job aborted: seen on the H200 with 17 threads on 16 cores,
+            # the writer preempted between its G_FIN claim and its stores)
+            atomic_store(jctrl, JOB_COMPLETE, 1)
+        return
     atomic_store(jctrl, JOB_COMPLETE, 1)
