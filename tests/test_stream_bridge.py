@@ -234,6 +234,36 @@ def test_gated_job_that_cannot_be_published_still_answers_the_stream(cpu):
         service.raise_pending()
 
 
+def test_gated_job_is_complete_only_once_published():
+    """A gated job's waiter sees it complete only after its result is published: with the
+    publisher held between claiming the publication and writing the result (a test knob, 2 ms),
+    every job still reports finished. (When any participant could mark the job complete, the
+    waiter read "not finished" whenever another participant left first: the H200 saw it three
+    times in ~30k decode jobs.)"""
+    from kt.cpu_ops import _moe_driver as drv
+    from kt.cpu_ops.moe import tsc_hz
+    from kt.cpu_ops.pool import CpuPool
+
+    pool = CpuPool(3)
+    try:
+        m = CPUMoE.from_tensors(*random_expert_weights(E, H, I, seed=5), scheme="int8", pool=pool)
+        m._wdesc[drv.S_PUBWAIT] = int(2e-3 * tsc_hz())
+        m._tmpl.clear()
+        x, ids, w = _inputs(1, 33)
+        xn, idn, wn = x.numpy(), ids.to(torch.int64).numpy(), w.numpy()
+        want = m(x, ids, w).numpy()
+        for _ in range(8):
+            sig = FlagSignal()
+            out = np.zeros((1, H), np.float32)
+            h = m.submit_gated(xn, idn, wn, out, sig.start_address, sig.done_address)
+            sig.start()
+            res = h.wait()
+            assert res.opened and res.finished and res.error is None
+            assert sig.wait_done() and np.array_equal(out, want)
+    finally:
+        pool.shutdown()
+
+
 def test_submit_gated_abort_and_checks(cpu):
     sig = FlagSignal()
     x, ids, w = _inputs(2, 32)

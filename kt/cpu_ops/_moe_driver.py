@@ -93,7 +93,9 @@ S_TAILP = 286  # ... their gate+up into about this many tasks, their down into h
 S_WATCH = 287  # time-stamp-counter ticks a participant waits for another's work before it aborts
                # the job (JOB_WATCHDOG), 0 = forever (CPUMoE.watchdog_s)
 S_TABM = 288  # 1: the large-M INT4 kernel reads the ratio tables (A_W13R / A_W2R) as well
-DESC_WORDS = 289  # the words above (a layer's template covers them all)
+S_PUBWAIT = 289  # tests: time-stamp-counter ticks a gated job's publisher waits between claiming
+                 # the publication and writing the result (widens that window; 0 in use)
+DESC_WORDS = 290  # the words above (a layer's template covers them all)
 R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
 RESULT_WORDS = 5
 
@@ -927,6 +929,10 @@ def moe_job(nth, jctrl, desc):
         if atomic_add(jctrl, gb + G_FIN, 1) == 0:
             # the first participant out publishes the result to the stream: "start" is consumed
             # (the stream writes it again only after it saw "done"), then "done"
+            if desc[S_PUBWAIT] > 0:
+                t_pub = cycles()
+                while cycles() - t_pub < desc[S_PUBWAIT]:
+                    spin_relax(0, 1)
             res[R_BAD_IDS] = jctrl[gb + G_BAD]
             res[R_END_CYCLES] = cycles()
             res[R_FINISHED] = 1
