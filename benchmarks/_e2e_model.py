@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from kt.config import QuantScheme
 from kt.reference import int4_ratio_scales
+from kt.cpu_ops import _align
 from kt.cpu_ops.packing import BLOCK_N, PackedWeight, padded_dims
 
 __all__ = ["ModelConfig", "QWEN3_30B_A3B", "TINY", "LinePool", "random_packed", "make_expert_sets",
@@ -104,13 +105,13 @@ def random_packed(pool: LinePool, e: int, n: int, d: int, scheme: QuantScheme, g
     nb = n // BLOCK_N
     if scheme is QuantScheme.INT8:
         j = d // 4
-        data = np.empty((e, nb, j, _LINE_ROWS, _LINE_K), np.int8)
-        wsum = np.empty((e, n), np.int32)
+        data = _align.empty((e, nb, j, _LINE_ROWS, _LINE_K), np.int8)
+        wsum = _align.empty((e, n), np.int32)
         src = pool.int8
     elif scheme is QuantScheme.INT4:
         j = d // 8
-        data = np.empty((e, nb, j, _LINE_ROWS, _LINE_K), np.uint8)
-        wsum = np.zeros((e, 0), np.int32)
+        data = _align.empty((e, nb, j, _LINE_ROWS, _LINE_K), np.uint8)
+        wsum = _align.zeros((e, 0), np.int32)
         src = pool.int4
     else:
         raise ValueError(f"random_packed makes INT8 or INT4 weights, not {scheme.value}")
@@ -126,13 +127,16 @@ def random_packed(pool: LinePool, e: int, n: int, d: int, scheme: QuantScheme, g
     if scheme is QuantScheme.INT8:
         wsum[:] = (pool.prefix[starts + j] - pool.prefix[starts]).reshape(e, n)
     if scheme is QuantScheme.INT8:
-        scale = (rng.uniform(0.9, 1.1, size=(e, n)) / (_STD_INT8 * math.sqrt(d))).astype(np.float32)
+        scale = _align.aligned(
+            (rng.uniform(0.9, 1.1, size=(e, n)) / (_STD_INT8 * math.sqrt(d))).astype(np.float32))
         return PackedWeight(scheme, n, d, n, d, 0, data, scale, wsum)
     ng = d // group_size
     s0 = (rng.uniform(0.9, 1.1, size=(e, nb, BLOCK_N, ng)) / (_STD_INT4 * math.sqrt(d))).astype(np.float32)
     # the quantiser's form s_row * r_g (what converted weights hold and the AMX ratio kernels need)
     ratio = int4_ratio_scales(s0.reshape(-1, ng)).reshape(e, nb, BLOCK_N, ng)
-    scale = np.ascontiguousarray(ratio.transpose(0, 1, 3, 2))
+    scale = _align.aligned(np.ascontiguousarray(ratio.transpose(0, 1, 3, 2)))
+    # every array on a 64-byte line, as CPUMoE needs them: a layer then holds these arrays rather
+    # than its own aligned copies (which doubled the weights' memory: 27 GB more for INT8)
     return PackedWeight(scheme, n, d, n, d, group_size, data, scale, wsum)
 
 
