@@ -125,8 +125,27 @@ def pin_host_array(a: np.ndarray) -> bool:
         rc = reg(ctypes.c_void_p(key[0]), key[1] - key[0], flags)
         if rc in (0, _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
             _PINNED.add(key)
+            if rc == 0:
+                # unlock when the array goes: locked pages stay held by the driver after the
+                # memory is freed (layers built one after another in one process, each locking
+                # its own copies of the experts, piled up tens of GB of them)
+                weakref.finalize(a, _unpin, key).atexit = False
             return True
     return False
+
+
+def _unpin(key: tuple[int, int]) -> None:
+    """Unlock a span ``pin_host_array`` locked (its array is being freed)."""
+    import ctypes
+
+    _PINNED.discard(key)
+    try:
+        unreg = ctypes.CDLL("libcuda.so.1").cuMemHostUnregister
+    except (OSError, AttributeError):
+        return
+    unreg.argtypes = [ctypes.c_void_p]
+    unreg.restype = ctypes.c_int
+    unreg(ctypes.c_void_p(key[0]))  # an error (a context already gone) leaves nothing to do
 
 
 def copy_host_to_device(dst: torch.Tensor, a: np.ndarray) -> None:

@@ -253,6 +253,17 @@ def test_cuda_copies_from_neighbouring_pinned_arrays():
         copy_host_to_device(dst, p)
         torch.cuda.synchronize()
         assert np.array_equal(dst[: p.nbytes].cpu().numpy(), p)
+    # a locked array that is freed is unlocked (the driver would keep its pages otherwise)
+    from kt import _gpu_weights as gw
+
+    own = np.ones(3 << 20, np.uint8)
+    assert pin_host_array(own)
+    n = len(gw._PINNED)
+    del own
+    import gc
+
+    gc.collect()
+    assert len(gw._PINNED) == n - 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (layer-wise prefill)")
