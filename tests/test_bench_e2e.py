@@ -65,9 +65,17 @@ def test_generated_weights_run_through_cpumoe_as_the_reference(scheme):
     from _e2e_model import TINY, make_expert_sets
     from kt.cpu_ops.moe import CPUMoE
 
+    from kt.cpu_ops.packing import int4_has_minus8, int4_ratio_table
+
     kern = (_kernels_for_host() or {}).get(scheme)
     w13, w2 = make_expert_sets(TINY, QuantScheme.parse(scheme), 1, seed=0, pool_lines=4096)[0]
     moe = CPUMoE(w13, w2, kernels=kern)
+    # the arrays as a converted layer holds them: on 64-byte lines (the layer keeps them, no
+    # copies), INT4 values in [-7, 7] and group scales of the ratio form (the AMX ratio kernels)
+    assert moe.w13.data is w13.data and moe.w2.scale is w2.scale
+    if scheme == "int4":
+        assert not int4_has_minus8(w13) and not int4_has_minus8(w2)
+        assert int4_ratio_table(w13.scale) is not None and int4_ratio_table(w2.scale) is not None
     g = torch.Generator().manual_seed(5)
     x = torch.randn(9, TINY.hidden, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(TINY.num_experts, generator=g)[:2] for _ in range(9)])
