@@ -98,17 +98,24 @@ def _is_index(t) -> bool:
 
 # ----------------------------------------------------------------------------- memory
 
-def _make_load(vt: Vec):
+def _make_load_as(vt: Vec, elem, finish):
+    """An intrinsic (arr, idx) -> vt: load one ``elem`` (an LLVM type) at element ``idx`` of arr
+    and turn it into a vt value with ``finish(builder, value)``."""
     @intrinsic
-    def load(typingctx, arr, idx):
+    def load_as(typingctx, arr, idx):
         if not isinstance(arr, types.Array) or not _is_index(idx):
             return None
 
         def codegen(context, builder, sig, args):
-            p = _elem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _ll(vt))
-            return builder.load(p, align=1)
+            p = _elem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1], elem)
+            return finish(builder, builder.load(p, align=1))
         return vt(arr, idx), codegen
-    return load
+    return load_as
+
+
+def _make_load(vt: Vec):
+    """An intrinsic (arr, idx) -> vt: the vector at element ``idx`` of arr (unaligned)."""
+    return _make_load_as(vt, _ll(vt), lambda builder, v: v)
 
 
 load_i8x64, load_i16x32 = _make_load(I8x64), _make_load(I16x32)
@@ -119,34 +126,14 @@ load_i32x8, load_f32x8 = _make_load(I32x8), _make_load(F32x8)
 
 def _make_bcast4(vt: Vec):
     """Load the 4 bytes at element ``idx`` as one int32 and broadcast it to every int32 lane."""
-    @intrinsic
-    def bcast4(typingctx, arr, idx):
-        if not isinstance(arr, types.Array) or not _is_index(idx):
-            return None
-
-        def codegen(context, builder, sig, args):
-            p = _elem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1],
-                           ir.IntType(32))
-            s = builder.load(p, align=1)
-            return _splat(builder, s, _ll(vt))
-        return vt(arr, idx), codegen
-    return bcast4
+    return _make_load_as(vt, ir.IntType(32), lambda builder, s: _splat(builder, s, _ll(vt)))
 
 
 bcast4_i32x16, bcast4_i32x8 = _make_bcast4(I32x16), _make_bcast4(I32x8)
 
-
-@intrinsic
-def load_i8_i32x16(typingctx, arr, idx):
-    """The 16 bytes at element ``idx``, each sign-extended to an int32 lane (vpmovsxbd)."""
-    if not isinstance(arr, types.Array) or not _is_index(idx):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1],
-                       ir.VectorType(ir.IntType(8), 16))
-        return builder.sext(builder.load(p, align=1), _ll(I32x16))
-    return I32x16(arr, idx), codegen
+# the 16 bytes at element ``idx``, each sign-extended to an int32 lane (vpmovsxbd)
+load_i8_i32x16 = _make_load_as(I32x16, ir.VectorType(ir.IntType(8), 16),
+                               lambda builder, v: builder.sext(v, _ll(I32x16)))
 
 
 @intrinsic
