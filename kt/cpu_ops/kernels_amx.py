@@ -1126,8 +1126,7 @@ def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2):
         gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True)
         return
     if nb0 < nb1:
-        kc = max(512, group_size)
-        gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, True, True)
+        gemm_int4_flush(xq, xs, data, scale, group_size, out, nb0, nb1)
 
 
 @njit(nogil=True, cache=True)
@@ -1135,7 +1134,8 @@ def gemm_int4_flush(xq, xs, data, scale, group_size, out, nb0, nb1):
     """Large-M INT4 (the ``gemm_int4`` contract) on the per-group flush kernel alone
     (``gemm_int4_blocked``): exact for every stored value, -8 included, which the ratio kernels'
     int8 products r_g * q cannot hold for r_g >= 17 (``packing.int4_has_minus8``). Not
-    registered: ``CPUMoE`` and ``gemm.linear`` take it for weights holding -8."""
+    registered: ``CPUMoE`` and ``gemm.linear`` take it for weights holding -8, and ``gemm_int4``
+    for the blocks whose scales are not of the ratio form."""
     kc = max(512, group_size)
     gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, default_mc(xq.shape[1]), kc,
                       True, True)
