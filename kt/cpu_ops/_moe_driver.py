@@ -394,6 +394,7 @@ def _plan(t0, t1, ids, mask, pos, rslot, offs, order, tasks13, tasks2, nb13, nb2
     (the pipelined order, see moe_job). The last round of whole experts left threads idle for up
     to a task's length behind the slowest one; parts end closer together.
 
+    mask[e] != 0: expert e is computed elsewhere (the GPU), skipped like -1.
     pos[t - t0, k]: first of the R gathered rows of slot (t, k), or -1; rslot[r]: the slot
     (t - t0) * K + k of gathered row r; offs[e]..offs[e+1]: rows of expert e (R per slot: the
     levels of two-level activations are consecutive rows). Ids
@@ -409,7 +410,7 @@ def _plan(t0, t1, ids, mask, pos, rslot, offs, order, tasks13, tasks2, nb13, nb2
         for k in range(K):
             e = ids[t, k]
             if e >= 0 and e < E:
-                if mask[e] != 0:
+                if mask[e] == 0:
                     offs[e + 1] += R
             elif e != -1:
                 bad += 1
@@ -432,7 +433,7 @@ def _plan(t0, t1, ids, mask, pos, rslot, offs, order, tasks13, tasks2, nb13, nb2
     for t in range(t0, t1):
         for k in range(K):
             e = ids[t, k]
-            if e >= 0 and e < E and mask[e] != 0:
+            if e >= 0 and e < E and mask[e] == 0:
                 pos[t - t0, k] = offs[e]
                 for lv in range(R):
                     rslot[offs[e] + lv] = (t - t0) * K + k

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -108,17 +109,21 @@ def _to_numpy_2d(name: str, a, dtypes: tuple[str, ...]):
     return np.ascontiguousarray(a, dtype=np.float32), "f32"
 
 
-def _routing(name_ids, ids, name_w, w, T, E):
-    def arr(name, a):
-        if _is_torch(a):
-            t = _torch_cpu(name, a)
-            return t.float().numpy() if str(t.dtype) == "torch.bfloat16" else t.numpy()
-        if isinstance(a, np.ndarray):
-            return a
-        raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
+def _routing_np(name: str, a) -> np.ndarray:
+    """A routing argument (torch or numpy) as numpy, without a copy where it can."""
+    if type(a) is np.ndarray:
+        return a
+    if _is_torch(a):
+        t = _torch_cpu(name, a)
+        return t.float().numpy() if str(t.dtype) == "torch.bfloat16" else t.numpy()
+    if isinstance(a, np.ndarray):
+        return a
+    raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
 
-    ids_np = arr(name_ids, ids)
-    w_np = arr(name_w, w)
+
+def _routing(name_ids, ids, name_w, w, T, E):
+    ids_np = _routing_np(name_ids, ids)
+    w_np = _routing_np(name_w, w)
     if ids_np.ndim != 2 or ids_np.shape[0] != T:
         raise ValueError(f"{name_ids} must be [T={T}, K], got shape {ids_np.shape}")
     if ids_np.dtype.kind not in "iu":
@@ -182,7 +187,7 @@ class MoEHandle:
     def __init__(self, first, rest, finish):
         self._first = first
         self._rest = rest
-        self._finish = finish
+        self._finish = finish  # the arguments of _finish_out
         self._result = None
         self._done = False
 
@@ -199,7 +204,7 @@ class MoEHandle:
             finally:
                 self._done = True
                 self._rest = ()
-            self._result = self._finish()
+            self._result = _finish_out(*self._finish)
         return self._result
 
 
@@ -347,7 +352,8 @@ class CPUMoE:
         self.tail_experts = None
         self.tail_parts = 4
         self.watchdog_s = DEFAULT_WATCHDOG_S
-        self._all_cpu = np.ones(E, np.uint8)
+        self._no_gpu = np.zeros(E, np.uint8)
+        self._act = np.uint16 if self.scheme is QuantScheme.BF16 else np.int8  # activation rows
         self._prof: np.ndarray | None = None  # set by profile(): [threads, phases, 2] cycles
         self._wdesc = self._weight_desc()
         self._tmpl: dict = {}
@@ -434,6 +440,7 @@ class CPUMoE:
                               or not np.isfinite(s) or s < 0):
             raise ValueError(f"CPUMoE.watchdog_s must be a non-negative number of seconds or None, got {s!r}")
         self._watchdog_s = float(s) if s else None
+        self._watch = None  # its ticks, from the next call on (_watch_ticks)
 
     @property
     def pool(self) -> CpuPool:
@@ -507,7 +514,7 @@ class CPUMoE:
         return d
 
     def _scratch_desc(self, pool: CpuPool, rows_cap: int, tok_cap: int, K: int, act_dtype) -> np.ndarray:
-        key = (id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str)
+        key = (id(pool), pool.scratch_version, rows_cap, tok_cap, K, act_dtype)
         d = self._tmpl.get(key)
         if d is not None:
             return d
@@ -555,7 +562,7 @@ class CPUMoE:
             self._tmpl.clear()
         self._tmpl[key] = d
         # the scratch templates may have bumped the version while allocating: key on the final one
-        self._tmpl[(id(pool), pool.scratch_version, rows_cap, tok_cap, K, np.dtype(act_dtype).str)] = d
+        self._tmpl[(id(pool), pool.scratch_version, rows_cap, tok_cap, K, act_dtype)] = d
         return d
 
     # -- calls
@@ -574,7 +581,7 @@ class CPUMoE:
         x: [T, H] bf16/fp16/fp32 (torch or numpy). topk_ids: [T, K] int (-1 = skip this slot).
         topk_weights: [T, K] float. gpu_mask: [E] bool, True = the expert is computed elsewhere
         (skipped here). out: optional [T, H] output to write (or, with ``incremental``, to add
-        into). Inputs must stay unchanged until ``wait()`` returns.
+        into). Inputs (gpu_mask too) must stay unchanged until ``wait()`` returns.
         """
         E, H = self.num_experts, self.hidden
         xa, xkind = _to_numpy_2d("x", x, ())
@@ -604,20 +611,16 @@ class CPUMoE:
             if incremental:
                 ob[...] = _out_init(out, T, H, okind)
 
-        def finish():
-            return _finish_out(ob, out, direct is not None, x, torch_in, xkind, okind)
-
+        finish = (ob, out, direct is not None, x, torch_in, xkind, okind)
         if T == 0:
             return MoEHandle(None, (), finish)
         pool = self.pool
-        C = self.chunk_tokens
-        launches = []
-        for j0 in range(0, T, C * MAX_CHUNKS_PER_JOB):
-            j1 = min(T, j0 + C * MAX_CHUNKS_PER_JOB)
-            launches.append(self._launcher(pool, xa, ob, ids, tw, mask, j0, j1, K, incremental,
-                                           xkind, okind))
-        first = launches[0]()
-        return MoEHandle(first, launches[1:], finish)
+        step = self.chunk_tokens * MAX_CHUNKS_PER_JOB
+        # jobs of at most `step` tokens: the first starts now, the others from wait()
+        rest = tuple(partial(self._launch, pool, xa, ob, ids, tw, mask, j0, min(T, j0 + step), K,
+                             incremental, xkind, okind) for j0 in range(step, T, step))
+        first = self._launch(pool, xa, ob, ids, tw, mask, 0, min(T, step), K, incremental, xkind, okind)
+        return MoEHandle(first, rest, finish)
 
     def submit_gated(self, x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
                      out: np.ndarray, start_flag: int, done_flag: int,
@@ -658,8 +661,8 @@ class CPUMoE:
         kind = "bf16" if x.dtype == np.uint16 else "f32"
         pool = self.pool
         words = np.zeros(drv.RESULT_WORDS, np.int64)
-        h = self._launcher(pool, x, out, topk_ids, topk_weights, mask, 0, T, K, False, kind, kind,
-                           gate=(start_flag, done_flag, words))()
+        h = self._launch(pool, x, out, topk_ids, topk_weights, mask, 0, T, K, False, kind, kind,
+                         gate=(start_flag, done_flag, words))
         return GatedHandle(pool, h, words)
 
     @property
@@ -668,16 +671,18 @@ class CPUMoE:
         return self.chunk_tokens * MAX_CHUNKS_PER_JOB
 
     def _mask_arg(self, gpu_mask) -> np.ndarray:
-        """gpu_mask ([E] bool, True = skip here, or None) -> the driver's uint8 "on the CPU" row."""
+        """gpu_mask ([E] bool, True = skip here, or None) -> the driver's uint8 row (non-zero = skip),
+        a view of the caller's mask when it is contiguous (no copy: a decode call's mask costs a
+        view, not two new arrays), so it must stay unchanged until the call's wait() returns."""
         E = self.num_experts
         if gpu_mask is None:
-            return self._all_cpu
+            return self._no_gpu
         gm = _torch_cpu("gpu_mask", gpu_mask).numpy() if _is_torch(gpu_mask) else np.asarray(gpu_mask)
         if gm.shape != (E,):
             raise ValueError(f"gpu_mask must be [E={E}] bool, got shape {gm.shape}")
         if gm.dtype != np.bool_:
             raise TypeError(f"gpu_mask must be bool, got {gm.dtype}")
-        return np.ascontiguousarray(~gm, dtype=np.uint8)
+        return (gm if gm.flags.c_contiguous else np.ascontiguousarray(gm)).view(np.uint8)
 
     def profile(self, x, topk_ids, topk_weights, gpu_mask=None, repeats: int = 1) -> dict:
         """Run the layer ``repeats`` times and report where the time went, per phase.
@@ -712,34 +717,36 @@ class CPUMoE:
                   for i, name in enumerate(PHASE_NAMES)}
         return {"wall_ms": wall * 1e3, "threads": pool.num_threads, "phases": phases}
 
-    def _launcher(self, pool, xa, ob, ids, tw, mask, j0, j1, K, incremental, xkind, okind,
-                  gate=None):
-        def launch():
-            T = j1 - j0
-            C = min(self.chunk_tokens, T)
-            nch = -(-T // C)
-            act = np.uint16 if self.scheme is QuantScheme.BF16 else np.int8
-            desc, _ = pool.begin(drv.jctrl_words(nch))
-            tok_cap = _cap(C)
-            rows_cap = _cap(C * K * self.levels)
-            tmpl = self._scratch_desc(pool, rows_cap, tok_cap, K, act)
-            desc[: tmpl.size] = tmpl
-            xs, os_, is_, ws = xa[j0:j1], ob[j0:j1], ids[j0:j1], tw[j0:j1]
-            prof = self._prof
-            if prof is not None and prof.shape[0] < pool.num_threads:
-                raise ValueError("CPUMoE.profile: the pool has more threads than the profile")
-            bpt13, bpt2 = self.blocks_per_task
-            start, done, words = gate if gate is not None else (0, 0, None)
-            drv.put_call(desc, xs, os_, is_, ws, mask, T, C, nch, int(bool(incremental)),
-                         int(xkind == "bf16"), int(okind == "bf16"), self.gemv_max, bpt13, bpt2,
-                         self.levels, 0 if prof is None else prof.ctypes.data, start, done,
-                         0 if words is None else words.ctypes.data, int(self.pipelined_decode),
-                         int(self.combine_in_down),
-                         pool.num_threads if self.tail_experts is None else self.tail_experts,
-                         self.tail_parts, int(self._watchdog_s * tsc_hz()) if self._watchdog_s else 0)
-            return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self, words))
+    def _launch(self, pool, xa, ob, ids, tw, mask, j0, j1, K, incremental, xkind, okind, gate=None):
+        """Start the job for tokens [j0, j1) on the pool (at most MAX_CHUNKS_PER_JOB chunks);
+        returns its pool handle. gate: (start flag, done flag, result words) of a stream-gated job."""
+        T = j1 - j0
+        C = min(self.chunk_tokens, T)
+        nch = -(-T // C)
+        desc, _ = pool.begin(drv.jctrl_words(nch))
+        tmpl = self._scratch_desc(pool, _cap(C * K * self.levels), _cap(C), K, self._act)
+        desc[: tmpl.size] = tmpl
+        xs, os_, is_, ws = xa[j0:j1], ob[j0:j1], ids[j0:j1], tw[j0:j1]
+        prof = self._prof
+        if prof is not None and prof.shape[0] < pool.num_threads:
+            raise ValueError("CPUMoE.profile: the pool has more threads than the profile")
+        bpt13, bpt2 = self.blocks_per_task
+        start, done, words = gate if gate is not None else (0, 0, None)
+        tail = self._tail_experts
+        drv.put_call(desc, xs, os_, is_, ws, mask, T, C, nch, int(bool(incremental)),
+                     int(xkind == "bf16"), int(okind == "bf16"), self.gemv_max, bpt13, bpt2,
+                     self.levels, 0 if prof is None else prof.ctypes.data, start, done,
+                     0 if words is None else words.ctypes.data, int(self.pipelined_decode),
+                     int(self.combine_in_down), pool.num_threads if tail is None else tail,
+                     self._tail_parts, self._watch_ticks())
+        return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self, words))
 
-        return launch
+    def _watch_ticks(self) -> int:
+        """watchdog_s in time-stamp-counter ticks (0: none), worked out once per setting."""
+        w = self._watch
+        if w is None:
+            w = self._watch = int(self._watchdog_s * tsc_hz()) if self._watchdog_s else 0
+        return w
 
 
 PHASE_NAMES = ("plan", "quantise", "gate_up", "act", "down", "combine")

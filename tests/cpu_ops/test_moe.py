@@ -615,7 +615,7 @@ def test_plan_tasks_cover_every_expert_once():
             (96, 128, 128, 1, 8, 16, 16, 4), (12, 8, 8, 6, 2, 4, 4, 4), (2, 2, 16, 50, 4, 2, 2, 4)]:
         ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64)
         ids[rng.random(ids.shape) < 0.05] = -1
-        mask = np.ones(E, np.uint8)
+        mask = np.zeros(E, np.uint8)  # nothing on the GPU
         pos = np.zeros((T, K), np.int32)
         rslot = np.zeros(T * K, np.int32)
         offs = np.zeros(E + 1, np.int32)
