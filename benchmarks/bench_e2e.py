@@ -635,7 +635,7 @@ def measure_floor(ctx: Ctx, entry, backend: HybridExperts, st: DecodeState, capt
         used = used[used >= 0]
         if rows_mask is not None:
             used = used[~rows_mask[layer][used]]
-        nbytes += len(used) * cpu.expert_bytes()
+        nbytes += len(used) * cpu.expert_read_bytes()
 
     def cpu_alone():
         for layer, x, ids, w in host:

@@ -185,10 +185,10 @@ def bench_kt(shape_name, scheme, threads_list, Ts, pool_bytes, bw, peaks, rows, 
     insts = [(w13, w2)] + [(_copy(w13), _copy(w2)) for _ in range(n_inst - 1)]
     print(f"  {shape_name} {scheme.value}: layer {layer_bytes / 2**20:.0f} MiB x {n_inst} copies "
           f"(built in {time.time() - t0:.0f} s)", flush=True)
-    per_expert = layer_bytes / E
     for nt in threads_list:
         pool = CpuPool(nt, pin=pin)
         layers = [CPUMoE(a, b, pool=pool) for a, b in insts]
+        per_expert = layers[0].expert_read_bytes()  # what the kernels read (not every array held)
         variant = layers[0].variant
         peak = peak_for(scheme, variant, peaks)
         bw_t = _bw_for(bw, nt)

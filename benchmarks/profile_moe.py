@@ -400,8 +400,9 @@ def main(argv=None):
     rows = []
     variant = isa.detect().variant
     print(f"variant {variant}, threads {a.threads}, tsc {tsc_hz() / 1e9:.2f} GHz", flush=True)
-    bw = all_thread_bandwidth(a.threads)
-    rows.append({"part": "bandwidth", "threads": a.threads, "GBps": round(bw / 1e9, 2)})
+    bw_detail = {}
+    bw = all_thread_bandwidth(a.threads, detail=bw_detail)
+    rows.append({"part": "bandwidth", "threads": a.threads, "GBps": round(bw / 1e9, 2), **bw_detail})
     print(f"read bandwidth, {a.threads} threads: {bw / 1e9:.1f} GB/s", flush=True)
     pool = CpuPool(a.threads)
     Ts = [int(t) for t in a.T.split(",") if t]
@@ -429,7 +430,7 @@ def main(argv=None):
             r = profile(layers, T, 6 if T >= 512 else (100 if T <= 8 else 20), rng, a.shape)
             E, K, H, I = SHAPES[a.shape]
             hit = E * (1 - (1 - K / E) ** T)  # expected distinct experts under uniform routing
-            floor_ms = hit * layers[0].nbytes / E / bw * 1e3
+            floor_ms = hit * layers[0].expert_read_bytes() / bw * 1e3
             r.update(part="profile", scheme=sname, T=T, bw_floor_ms=round(floor_ms, 3),
                      frac_of_bw_floor=round(floor_ms / r["wall_min_ms"], 3))
             # the GEMM phases' rate per busy thread (T*K rows through 2I x H and H x I)

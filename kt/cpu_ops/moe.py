@@ -468,8 +468,22 @@ class CPUMoE:
                 + (sum(t.nbytes for t in self._tabs) if self._tabs is not None else 0))
 
     def expert_bytes(self) -> int:
-        """Bytes of packed weights one expert reads (w13 + w2)."""
+        """Bytes of packed weights one expert holds (w13 + w2, with their scales, sums and tables)."""
         return self.nbytes // self.num_experts
+
+    def expert_read_bytes(self) -> int:
+        """Bytes one expert's kernels read in a call (w13 + w2): the packed values and the scale form
+        the kernels take (the INT4 ratio tables where the layer has them, else the scales), and the
+        per-row weight sums where the kernels use them (INT8 off AMX). The bytes a bandwidth floor
+        counts; ``expert_bytes`` also counts what the kernels never read."""
+        n = 0
+        for i, w in enumerate((self.w13, self.w2)):
+            n += w.data.nbytes
+            if self.scheme is not QuantScheme.BF16:  # (BF16 kernels take no scales)
+                n += self._tabs[i].nbytes if self._tabs is not None else w.scale.nbytes
+            if self.scheme is QuantScheme.INT8 and self.variant != "amx":  # (vpdpbusd's offset)
+                n += w.wsum.nbytes
+        return n // self.num_experts
 
     def __repr__(self):
         return (f"CPUMoE(E={self.num_experts}, H={self.hidden}, I={self.intermediate}, "

@@ -701,6 +701,28 @@ def test_int4_ratio_tables(pool):
     check_tight(m, x, ids, w, m(x, ids, w), whole=1e-3)
 
 
+@pytest.mark.parametrize("scheme,variant", REAL or [pytest.param(
+    "int8", "none", marks=pytest.mark.skip(reason="no CPU GEMM kernels registered yet"))])
+def test_expert_read_bytes(scheme, variant, pool):
+    """The bytes a bandwidth floor counts per expert: the packed values and the scale form the kernels
+    read (an AMX or AVX-512 VNNI INT4 layer's ratio tables instead of its group scales; no scales
+    for BF16; the per-row sums for INT8 off AMX), never more than the expert holds."""
+    m = layer(scheme, variant, pool=pool)[0]
+    E = m.num_experts
+    data = (m.w13.data.nbytes + m.w2.data.nbytes) // E
+    scales = (m.w13.scale.nbytes + m.w2.scale.nbytes) // E
+    sums = (m.w13.wsum.nbytes + m.w2.wsum.nbytes) // E
+    got = m.expert_read_bytes()
+    if scheme == "bf16":
+        assert got == data
+    elif scheme == "int4":
+        assert got == data + (scales if m._tabs is None else sum(t.nbytes for t in m._tabs) // E)
+        assert (m._tabs is not None) == (m.variant in ("amx", "avx512_vnni"))
+    else:
+        assert got == data + scales + (0 if m.variant == "amx" else sums)
+    assert got <= m.expert_bytes()
+
+
 def test_int4_minus8_is_exact(pool):
     """INT4 values of -8 (a nibble of 0: the format stores them, kt's quantiser never writes
     them) give the quantised reference's result on every host: on AMX the layer warns and runs
