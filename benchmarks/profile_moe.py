@@ -30,9 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_gemm import all_thread_bandwidth  # noqa: E402
 from bench_moe import SHAPES, _copy, build_layer, routing  # noqa: E402
 from kt.config import QuantScheme  # noqa: E402
-from kt.cpu_ops import _moe_driver as drv  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
-from kt.cpu_ops.moe import PHASE_NAMES, CPUMoE, _kernel_pair, tsc_hz  # noqa: E402
+from kt.cpu_ops.moe import PHASE_NAMES, CPUMoE, _kernel_pair, new_profile, profile_cycles, tsc_hz  # noqa: E402
 from kt.cpu_ops.pool import CpuPool  # noqa: E402
 
 
@@ -59,7 +58,7 @@ def _x(rng, T, H):
 def profile(layers, T, reps, rng, shape):
     E, K, H, I = SHAPES[shape]
     pool = layers[0].pool
-    prof = np.zeros((pool.num_threads, drv.PHASES, 2), np.int64)
+    prof = new_profile(pool.num_threads)
     x = _x(rng, T, H)
     for i in range(2):  # warm-up calls, not profiled
         ids, w = routing(rng, T, E, K)
@@ -73,7 +72,7 @@ def profile(layers, T, reps, rng, shape):
         L(x, ids, w)
         walls.append(time.perf_counter() - t0)
         L._prof = None
-    tot = prof.sum(axis=0) / tsc_hz() / reps * 1e3
+    tot = profile_cycles(prof).sum(axis=0) / tsc_hz() / reps * 1e3
     return {"wall_min_ms": round(min(walls) * 1e3, 3),
             "wall_median_ms": round(statistics.median(walls) * 1e3, 3),
             "threads": pool.num_threads,

@@ -86,7 +86,8 @@ S_T, S_K, S_E, S_H, S_I, S_UPOFF, S_CHUNK, S_INCR = 256, 257, 258, 259, 260, 261
 S_GEMV_MAX, S_GS13, S_GS2, S_NCHUNK, S_BPT13, S_BPT2 = 264, 265, 266, 267, 268, 269
 D_KV13, D_KM13, D_KV2, D_KM2 = 270, 271, 272, 273  # kernel entry points (kernel_address)
 S_SCHEME, S_XBF16, S_OBF16 = 274, 275, 276
-S_PROF = 277  # address of an int64 [nth, PHASES, 2] profile (busy, waiting cycles), 0 = off
+S_PROF = 277  # address of an int64 [nth, PROF_WORDS] profile: per participant [PHASES, 2] (busy,
+              # waiting cycles) at the start of its own PROF_WORDS words; 0 = off
 S_LEVELS = 278  # activation rows per (token, slot): 1, or 2 for two-level int8 ("int8x2")
 S_GATE, S_DONE = 279, 280  # stream-gated job: int32 "start" / "done" flag addresses (0 = none)
 S_RESULT = 281  # a gated job's own int64 [RESULT_WORDS] result (see R_*), its handle's to read
@@ -106,6 +107,7 @@ R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
 RESULT_WORDS = 5
 
 PHASES = 6
+PROF_WORDS = 16  # words per participant in a profile (128 bytes: no two participants share a line)
 PHASE_WORDS = 3 * CTRL_STRIDE  # claim, done, ntasks: one line each
 TOKEN_BLOCK = 8   # tokens per quantise / combine task
 ROW_BLOCK = 8     # gathered rows per activation task
@@ -808,7 +810,7 @@ def moe_job(nth, jctrl, desc):
     nb2 = desc[A_W2D * SLOT + 2]
     R = desc[S_LEVELS]
     pa = desc[S_PROF]  # profile of this participant (never touched when 0)
-    prof = carray(_ptr(pa + me * PHASES * 2 * 8 if pa != 0 else np.int64(desc.ctypes.data), np.int64),
+    prof = carray(_ptr(pa + me * PROF_WORDS * 8 if pa != 0 else np.int64(desc.ctypes.data), np.int64),
                   (PHASES, 2))
     for c in range(nch):
         t0 = c * C

@@ -433,6 +433,12 @@ def test_profile_books_every_phase(pool):
     m.blocks_per_task = (0, 0)
     with pytest.raises(ValueError, match="repeats"):
         m.profile(x, ids, w, repeats=0)
+    # each participant's words on cache lines of its own (a shared line slowed the profiled call)
+    from kt.cpu_ops.moe import new_profile, profile_cycles
+
+    prof = new_profile(3)
+    assert prof.ctypes.data % 64 == 0 and prof.strides[0] % 64 == 0
+    assert profile_cycles(prof).shape == (3, 6, 2) and np.shares_memory(profile_cycles(prof), prof)
 
 
 def test_nan_and_inf_propagate_per_token(pool):
