@@ -115,15 +115,15 @@ def _int4_gemv_variants():
 
     @njit(nogil=True)
     def pf512(xq, xs, data, scale, group_size, out, nb0, nb1):
-        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 512, False, KV._NO_RX)
+        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 512, False, KV._NO_RX, False)
 
     @njit(nogil=True)
     def pf2k(xq, xs, data, scale, group_size, out, nb0, nb1):
-        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 2048, False, KV._NO_RX)
+        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 2048, False, KV._NO_RX, False)
 
     @njit(nogil=True)
     def pfl2k(xq, xs, data, scale, group_size, out, nb0, nb1):
-        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 2048, True, KV._NO_RX)
+        KV._gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 2048, True, KV._NO_RX, False)
 
     return {"i4pf512": pf512, "i4pf2k": pf2k, "i4pfl2k": pfl2k, "i4pfl4k": KV.gemv_int4_pfl,
             "i4plain": KV.gemv_int4}

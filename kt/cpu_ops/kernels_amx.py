@@ -157,10 +157,10 @@ def _unpack_int4(data, src_line, nlines, dst, dst_off):
 # ----------------------------------------------------------------------------- INT8
 
 @njit(nogil=True, cache=True)
-def _gemv_pf(a, data, out, nb0, nb1, pf, bf, xs, scale):
+def _gemv_pf(a, data, out, nb0, nb1, pf, bf, xs, scale, l2):
     """The small-M kernel of ``gemv_int8_pf`` (bf False: int8 A, int32 sums scaled by
     xs[m] * scale[n]) and ``gemv_bf16_pf`` (bf True: bf16-bits A, fp32 sums copied); pf: B
-    prefetch distance in k-steps (0: none)."""
+    prefetch distance in k-steps (0: none), into L1 (prefetcht0) or with l2 into L2 (prefetcht1)."""
     m_all = a.shape[0]
     kel = 64 // a.itemsize          # A elements per 64-byte k-step row
     ks = a.shape[1] // kel
@@ -190,8 +190,12 @@ def _gemv_pf(a, data, out, nb0, nb1, pf, bf, xs, scale):
                 if pf > 0 and s + pf < ks:
                     for q in range(nq):
                         pb = o + q * blk + (s + pf) * sb
-                        for ln in range(16):
-                            prefetch_l1(data, pb + kel * ln)
+                        if l2:
+                            for ln in range(16):
+                                prefetch_l2(data, pb + kel * ln)
+                        else:
+                            for ln in range(16):
+                                prefetch_l1(data, pb + kel * ln)
                 tileloadd64(4, a, xo + kel * s, xst)
                 tileloadd64(5, data, o + sb * s, 64)
                 if bf:
@@ -238,7 +242,7 @@ def _gemv_pf(a, data, out, nb0, nb1, pf, bf, xs, scale):
 @njit(nogil=True, cache=True)
 def gemv_int8_pf(xq, xs, data, scale, out, nb0, nb1, pf):
     """``gemv_int8`` with an explicit B prefetch distance of pf k-steps (0: none)."""
-    _gemv_pf(xq, data, out, nb0, nb1, pf, False, xs, scale)
+    _gemv_pf(xq, data, out, nb0, nb1, pf, False, xs, scale, False)
 
 
 @njit(nogil=True, cache=True)
@@ -1166,7 +1170,7 @@ def gemm_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
 @njit(nogil=True, cache=True)
 def gemv_bf16_pf(xb, data, out, nb0, nb1, pf):
     """``gemv_bf16`` with an explicit B prefetch distance of pf k-steps (0: none)."""
-    _gemv_pf(xb, data, out, nb0, nb1, pf, True, _NO_XS, _NO_XS)
+    _gemv_pf(xb, data, out, nb0, nb1, pf, True, _NO_XS, _NO_XS, False)
 
 
 @njit(nogil=True, cache=True)

@@ -35,7 +35,7 @@ from numba import njit
 from . import cache
 from ._simd import (
     bcast4_i32x16, cvt_i32_f32, dpbf16ps512, empty_line, load_f32x16, load_i8_i32x16, load_i32x16,
-    pf_next, prefetch, splat_f32x16, splat_i32x16, store, vadd, vand, vfma, vmul, vpdpbusd512, vsll, vsra, vsrl, vsub,
+    pf_next, prefetch, prefetch_l2, splat_f32x16, splat_i32x16, store, vadd, vand, vfma, vmul, vpdpbusd512, vsll, vsra, vsrl, vsub,
     vxor)
 from .actquant import group_sums
 from .tiling import gemm_m_chunk
@@ -227,7 +227,7 @@ INT4_PFL_AHEAD = 4096  # bytes of packed lines gemv_int4_pfl prefetches ahead (e
 def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """INT4 small-M GEMM. xq int8 [M, d_pad], xs fp32 [M], data uint8 [NB, d_pad/8, 16, 4],
     scale fp32 [NB, d_pad/G, 16], out fp32 [M, >= 16*nb1]."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 0, False, _NO_RX)
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 0, False, _NO_RX, False)
 
 
 @njit(nogil=True, cache=True)
@@ -238,7 +238,7 @@ def gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1):
     0.26 vs 0.28, T=4 0.79 vs 0.91: results/profile_moe_s5_run8_i4pf.json) and lost to every
     line 4 KB ahead, ``gemv_int4_pfl`` (T=1 0.20 vs 0.18, T=4 0.65 vs 0.55:
     results/profile_moe_s7_run1_i4pfl.json)."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PF_AHEAD, False, _NO_RX)
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PF_AHEAD, False, _NO_RX, False)
 
 
 @njit(nogil=True, cache=True)
@@ -248,7 +248,7 @@ def gemv_int4_pfl(xq, xs, data, scale, group_size, out, nb0, nb1):
     weights, interleaved) it reads 29-31 GB/s where the plain kernel reads 26-27 and the
     every-other-line prefetch of ``gemv_int4_pf`` 22-24: Zen 4 does not fetch the pair's other
     line by itself. On the AMX Xeon (16 threads, qwen3 layer) it beat ``gemv_int4_pf`` too."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True, _NO_RX)
+    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True, _NO_RX, False)
 
 
 @njit(nogil=True, cache=True)
@@ -259,16 +259,20 @@ def gemv_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
     weight), and one fp32 product by s_row * xs ends the row, instead of a fp32 multiply-add by
     each group's scale. It reads 16 bytes of ratios per (block, group) where the scales take
     64: 8 % fewer bytes for a decode that runs at the memory bandwidth (the qwen3 INT4 layer at
-    T=1 / 4: 4-6 % faster on 2 dev threads and on the device's 16, session 21). Not a contract
-    kernel: ``CPUMoE`` calls it with its tables."""
+    T=1 / 4: 4-6 % faster on 2 dev threads and on the device's 16, session 21). Its prefetches
+    go to L2 (prefetcht1), not L1: the layers that have tables run on Intel hosts (AMX, AVX-512
+    VNNI), where that keeps more lines in flight per core (qwen3 layer, T=1, interleaved with a
+    read of the same bytes, ``benchmarks/cpu_decode_floor.py``: 5-7 % faster on 1 and 2 dev
+    threads of an Emerald Rapids, session 23; ``gemv_int4_pfl`` keeps L1, as tuned on Zen 4).
+    Not a contract kernel: ``CPUMoE`` calls it with its tables."""
     _gemv_int4(xq, xs, data, tab, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True,
-               tab.reshape(-1).view(np.int8))
+               tab.reshape(-1).view(np.int8), True)
 
 
 @njit(nogil=True, cache=True)
-def _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, ahead, every_line, rxb):
+def _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, ahead, every_line, rxb, l2):
     """The INT4 GEMV body; rxb non-empty: ``scale`` is a ratio table and rxb its bytes
-    (``gemv_int4_tab``)."""
+    (``gemv_int4_tab``); l2: the prefetches ``ahead`` bytes ahead go to L2 (prefetcht1), not L1."""
     m_count = xq.shape[0]
     lines = data.shape[1]
     d_pad = lines * 8
@@ -301,7 +305,11 @@ def _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, ahead, every_line
                     # shift per line (measured +3-15 % on cold decode).
                     o = p + 64 * j
                     k = xo + 8 * j
-                    if ahead > 0:
+                    if ahead > 0 and l2:
+                        prefetch_l2(data, min(o + ahead, last))
+                        if every_line:
+                            prefetch_l2(data, min(o + 64 + ahead, last))
+                    elif ahead > 0:
                         prefetch(data, min(o + ahead, last))
                         if every_line:
                             prefetch(data, min(o + 64 + ahead, last))

@@ -476,14 +476,18 @@ class CPUMoE:
         the kernels take (the INT4 ratio tables where the layer has them, else the scales), and the
         per-row weight sums where the kernels use them (INT8 off AMX). The bytes a bandwidth floor
         counts; ``expert_bytes`` also counts what the kernels never read."""
-        n = 0
+        return sum(a.nbytes for a in self.read_arrays()) // self.num_experts
+
+    def read_arrays(self) -> list[np.ndarray]:
+        """The stacked [E, ...] arrays the layer's kernels read (see ``expert_read_bytes``)."""
+        out = []
         for i, w in enumerate((self.w13, self.w2)):
-            n += w.data.nbytes
+            out.append(w.data)
             if self.scheme is not QuantScheme.BF16:  # (BF16 kernels take no scales)
-                n += self._tabs[i].nbytes if self._tabs is not None else w.scale.nbytes
+                out.append(self._tabs[i] if self._tabs is not None else w.scale)
             if self.scheme is QuantScheme.INT8 and self.variant != "amx":  # (vpdpbusd's offset)
-                n += w.wsum.nbytes
-        return n // self.num_experts
+                out.append(w.wsum)
+        return out
 
     def __repr__(self):
         return (f"CPUMoE(E={self.num_experts}, H={self.hidden}, I={self.intermediate}, "

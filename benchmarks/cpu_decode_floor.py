@@ -1,0 +1,269 @@
+"""Issue 4's decode figure against a floor measured beside it, call by call.
+
+A T=1 layer call and a plain read of the same bytes alternate on the same pool: the read covers the
+arrays the call's kernels read (``CPUMoE.read_arrays``: packed values and scales or ratio tables) for
+the same experts, taken from another cold copy of the layer, split into 64 KiB chunks that the
+pool's threads claim as the layer's tasks are claimed, each read with 64-byte loads and an L2
+prefetch 4 KiB ahead (as the decode GEMVs read). Each round gives the layer's wall time (a plain
+call, as a model makes it), the read's span on the time-stamp counter (first chunk started to last
+chunk done: the bandwidth the pool got for those bytes at that moment, without the hand-off), and
+their ratio. A single all-thread bandwidth figure moved 91-129 GB/s within one device lease
+(session 23), far more than the calls did, so a floor taken once per run says as much about the
+moment as about the layer; this one is taken within milliseconds of each call.
+
+    PYTHONPATH=. python3 benchmarks/cpu_decode_floor.py --threads 16 --rounds 300 --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from numba import carray, njit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_moe import SHAPES, routing  # noqa: E402
+from profile_moe import _layers  # noqa: E402
+from kt.config import QuantScheme  # noqa: E402
+from kt.cpu_ops._moe_driver import _ptr, cycles  # noqa: E402
+from kt.cpu_ops._simd import load_i32x16, prefetch_l2, splat_i32x16, store, vor  # noqa: E402
+from kt.cpu_ops.moe import tsc_hz  # noqa: E402
+from kt.cpu_ops.pool import (CTRL_STRIDE, JOB_COMPLETE, JOB_FREE, JOB_JOIN, CpuPool, atomic_add,  # noqa: E402
+                             atomic_store)
+
+CHUNK = 64 << 10
+PF = 4096
+RES_WORDS = 16  # per participant: first chunk's start, last chunk's end, a checksum (own lines)
+
+
+@njit(nogil=True, cache=True)
+def _read_job(nth, jctrl, desc):
+    """desc: [segments, chunk bytes, result address, chunks in all, (address, bytes) per segment].
+    Participants claim chunks (jctrl[JOB_FREE]) and read them; the last of nth to leave completes."""
+    me = atomic_add(jctrl, JOB_JOIN, 1)
+    if me >= nth:
+        return
+    nseg = desc[0]
+    ch = desc[1]
+    res = carray(_ptr(desc[2], np.int64), (nth * RES_WORDS,))
+    nch = desc[3]
+    acc = splat_i32x16(0)
+    acc2 = acc
+    t_first = np.int64(0)
+    while True:
+        i = atomic_add(jctrl, JOB_FREE, 1)
+        if i >= nch:
+            break
+        if t_first == 0:
+            t_first = cycles()
+        s = 0
+        ci = i
+        while s < nseg:
+            nc = (desc[5 + 2 * s] + ch - 1) // ch
+            if ci < nc:
+                break
+            ci -= nc
+            s += 1
+        n = desc[5 + 2 * s]
+        buf = carray(_ptr(desc[4 + 2 * s], np.uint8), (n,))
+        lo = ci * ch
+        hi = min(n, lo + ch) // 128 * 128
+        for b in range(lo, hi, 128):
+            if b + PF + 128 <= n:
+                prefetch_l2(buf, b + PF)
+                prefetch_l2(buf, b + PF + 64)
+            acc = vor(acc, load_i32x16(buf, b))
+            acc2 = vor(acc2, load_i32x16(buf, b + 64))
+    sink = np.zeros(16, np.int32)
+    store(sink, 0, vor(acc, acc2))
+    res[me * RES_WORDS] = t_first
+    res[me * RES_WORDS + 1] = cycles() if t_first != 0 else 0
+    res[me * RES_WORDS + 2] = sink[0]
+    if atomic_add(jctrl, JOB_FREE + CTRL_STRIDE, 1) == nth - 1:
+        atomic_store(jctrl, JOB_COMPLETE, 1)
+
+
+def read_segments(layer, experts) -> list[tuple[np.ndarray, int]]:
+    """(array slice, bytes) of every array the layer's kernels read, for those experts."""
+    return [(a[e], a[e].nbytes) for e in experts for a in layer.read_arrays()]
+
+
+def timed_read(pool: CpuPool, segs, res: np.ndarray) -> tuple[float, float]:
+    """(wall seconds of the read job, seconds from its first chunk's start to its last chunk's end)."""
+    nth = pool.num_threads
+    t0 = time.perf_counter()
+    desc, _ = pool.begin(JOB_FREE + 2 * CTRL_STRIDE)
+    desc[0] = len(segs)
+    desc[1] = CHUNK
+    desc[2] = res.ctypes.data
+    desc[3] = sum(-(-n // CHUNK) for _, n in segs)
+    for s, (a, n) in enumerate(segs):
+        desc[4 + 2 * s] = a.ctypes.data
+        desc[5 + 2 * s] = n
+    res[:] = 0
+    pool.submit_native(_read_job, keep=(segs, res)).wait()
+    wall = time.perf_counter() - t0
+    r = res.reshape(nth, RES_WORDS)
+    used = r[:, 0] > 0
+    span = (r[used, 1].max() - r[used, 0].min()) / tsc_hz()
+    return wall, span
+
+
+def _int4_tab_gemv(ahead: int, l2: bool):
+    """The AMX / AVX-512 INT4 decode GEMV on ratio tables (``gemv_int4_tab``) with another
+    prefetch: ``ahead`` bytes, into L1 (before session 23: 4 KiB) or L2 (shipped: 4 KiB)."""
+    from kt.cpu_ops import kernels_avx512 as KV
+
+    @njit(nogil=True)
+    def k(xq, xs, data, tab, group_size, out, nb0, nb1):
+        KV._gemv_int4(xq, xs, data, tab, group_size, out, nb0, nb1, ahead, True,
+                      tab.reshape(-1).view(np.int8), l2)
+    return k
+
+
+def _amx_gemv(scheme: str, pf: int, l2: bool):
+    """The AMX INT8 / BF16 decode GEMV (``gemv_int8`` / ``gemv_bf16``: 4 k-steps ahead into L1)
+    with another prefetch: pf k-steps (1 KiB each per block) ahead, into L1 or L2."""
+    from kt.cpu_ops import kernels_amx as KA
+
+    if scheme == "int8":
+        @njit(nogil=True)
+        def k8(xq, xs, data, scale, wsum, out, nb0, nb1):
+            KA._gemv_pf(xq, data, out, nb0, nb1, pf, False, xs, scale, l2)
+        return k8
+
+    @njit(nogil=True)
+    def kb(xb, data, out, nb0, nb1):
+        KA._gemv_pf(xb, data, out, nb0, nb1, pf, True, KA._NO_XS, KA._NO_XS, l2)
+    return kb
+
+
+# name -> (scheme, prefetch distance, into L2)
+DECODE_VARIANTS = {"i4l1_4k": ("int4", 4096, False), "i4l1_8k": ("int4", 8192, False),
+                   "i4l2_8k": ("int4", 8192, True), "i4l2_16k": ("int4", 16384, True),
+                   "l2_4": ("amx", 4, True), "l2_8": ("amx", 8, True), "l2_16": ("amx", 16, True),
+                   "l1_8": ("amx", 8, False)}
+
+
+def decode_variant(sname: str, name: str):
+    """The decode kernel of variant ``name`` for scheme ``sname``, or None if it is not for it."""
+    kind, dist, l2 = DECODE_VARIANTS[name]
+    if kind == "int4":
+        return _int4_tab_gemv(dist, l2) if sname == "int4" else None
+    return _amx_gemv(sname, dist, l2) if sname in ("int8", "bf16") else None
+
+
+def with_decode_kernel(layer, kernel):
+    """A layer on the same weights (and tables) whose decode calls run ``kernel`` (benchmark use:
+    it swaps the entry point the driver calls)."""
+    from kt.cpu_ops import _moe_driver as drv
+    from kt.cpu_ops.moe import _SCHEME_CODE, CPUMoE
+
+    m = CPUMoE(layer.w13, layer.w2, pool=layer.pool)
+    m._tabs = layer._tabs
+    m._kaddr = (drv.kernel_address(kernel, _SCHEME_CODE[layer.scheme]), m._kaddr[1])
+    m._wdesc = m._weight_desc()
+    m._tmpl.clear()
+    return m
+
+
+def run_scheme(sname, a, pool, rng, rows):
+    scheme = QuantScheme.parse(sname)
+    E, K, H, I = SHAPES[a.shape]
+    t0 = time.time()
+    layers = _layers(scheme, a.shape, int(a.pool_gb * 2**30), pool)
+    n = len(layers)
+    if n < 3:
+        raise SystemExit("--pool-gb too small: need at least 3 copies")
+    print(f"{sname}: {n} copies built in {time.time() - t0:.0f} s; {layers[0].expert_read_bytes() / 1e6:.2f} "
+          f"MB read per expert", flush=True)
+    variants = {"default": layers}
+    names = [v for v in a.variants.split(",") if v]
+    if layers[0].variant == "amx" and (scheme is not QuantScheme.INT4 or layers[0]._tabs is not None):
+        for v in names:
+            k = decode_variant(sname, v)
+            if k is not None:
+                variants[v] = [with_decode_kernel(L, k) for L in layers]
+    if n < len(variants) + 1:
+        raise SystemExit(f"{sname}: {n} copies for {len(variants)} variants and the read: raise --pool-gb")
+    x = rng.standard_normal((1, H), dtype=np.float32)
+    if a.x_bf16:
+        import torch
+
+        x = torch.from_numpy(x).to(torch.bfloat16)
+    res = np.zeros(pool.num_threads * RES_WORDS, np.int64)
+    calls = {v: [] for v in variants}
+    spans, walls, nbytes = [], [], []
+    off = n // (len(variants) + 1)  # every call of a round and its read on a copy of their own
+    for i in range(a.rounds + 3):
+        ids, w = routing(rng, 1, E, K)
+        used = sorted(set(int(e) for e in ids.ravel() if e >= 0))
+        for j, (v, Ls) in enumerate(variants.items()):
+            L = Ls[(i + j * off) % n]
+            t1 = time.perf_counter()
+            L(x, ids, w)
+            if i >= 3:
+                calls[v].append(time.perf_counter() - t1)
+        # the same experts of a copy no call of this round read
+        segs = read_segments(layers[(i + len(variants) * off) % n], used)
+        wall, span = timed_read(pool, segs, res)
+        if i < 3:  # warm-up (compile, first touch)
+            continue
+        spans.append(span)
+        walls.append(wall)
+        nbytes.append(sum(nb for _, nb in segs))
+    mb = statistics.median(nbytes)
+    read = {"read_span_min_ms": round(min(spans) * 1e3, 4),
+            "read_span_median_ms": round(statistics.median(spans) * 1e3, 4),
+            "read_wall_median_ms": round(statistics.median(walls) * 1e3, 4),
+            "read_GBps_best": round(max(b / s for b, s in zip(nbytes, spans)) / 1e9, 1),
+            "read_GBps_median": round(statistics.median(b / s for b, s in zip(nbytes, spans)) / 1e9, 1)}
+    print(f"  read of the same {mb / 1e6:.1f} MB: {read['read_span_min_ms']:.3f} / "
+          f"{read['read_span_median_ms']:.3f} ms ({read['read_GBps_median']} GB/s median, best "
+          f"{read['read_GBps_best']})", flush=True)
+    for v, cs in calls.items():
+        ratios = [s / c for s, c in zip(spans, cs)]
+        r = {"scheme": sname, "variant": v, "T": 1, "threads": pool.num_threads, "rounds": a.rounds,
+             "MB_per_call": round(mb / 1e6, 2), "call_min_ms": round(min(cs) * 1e3, 4),
+             "call_median_ms": round(statistics.median(cs) * 1e3, 4), **read,
+             "frac_of_floor_per_round_median": round(statistics.median(ratios), 3),
+             "frac_of_floor_minima": round(min(spans) / min(cs), 3)}
+        rows.append(r)
+        print(f"  T=1 {v:9s}: call {r['call_min_ms']:.3f} / {r['call_median_ms']:.3f} ms (min / median); "
+              f"floor / call {100 * r['frac_of_floor_per_round_median']:.0f} % per round (median), "
+              f"{100 * r['frac_of_floor_minima']:.0f} % of minima", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--pool-gb", type=float, default=4.0)
+    ap.add_argument("--schemes", default="int4,int8,bf16")
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--x-bf16", action="store_true", help="bf16 torch input, as a model passes it")
+    ap.add_argument("--variants", default="", help=f"decode GEMV variants beside the default, "
+                    f"interleaved (i4*: INT4, the others INT8 / BF16): {','.join(DECODE_VARIANTS)}")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args(argv)
+    pool = CpuPool(a.threads)
+    rng = np.random.default_rng(0)
+    rows = []
+    for s in a.schemes.split(","):
+        run_scheme(s, a, pool, rng, rows)
+    pool.shutdown()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cpu_decode_floor.json").write_text(json.dumps({"shape": a.shape, "rows": rows}, indent=1))
+    print(f"wrote {out / 'cpu_decode_floor.json'}")
+
+
+if __name__ == "__main__":
+    main()
