@@ -118,7 +118,7 @@ def timed_read(pool: CpuPool, segs, res: np.ndarray) -> tuple[float, float]:
 
 def _int4_tab_gemv(ahead: int, l2: bool):
     """The AMX / AVX-512 INT4 decode GEMV on ratio tables (``gemv_int4_tab``) with another
-    prefetch: ``ahead`` bytes, into L1 (before session 23: 4 KiB) or L2 (shipped: 4 KiB)."""
+    prefetch: ``ahead`` bytes, into L1 (before session 23: 4 KiB) or L2 (shipped: 8 KiB)."""
     from kt.cpu_ops import kernels_avx512 as KV
 
     @njit(nogil=True)
@@ -147,7 +147,7 @@ def _amx_gemv(scheme: str, pf: int, l2: bool):
 
 # name -> (scheme, prefetch distance, into L2)
 DECODE_VARIANTS = {"i4l1_4k": ("int4", 4096, False), "i4l1_8k": ("int4", 8192, False),
-                   "i4l2_8k": ("int4", 8192, True), "i4l2_16k": ("int4", 16384, True),
+                   "i4l2_4k": ("int4", 4096, True), "i4l2_16k": ("int4", 16384, True),
                    "l2_4": ("amx", 4, True), "l2_8": ("amx", 8, True), "l2_16": ("amx", 16, True),
                    "l1_8": ("amx", 8, False)}
 

@@ -489,12 +489,6 @@ def main(argv=None):
             for L in nopipe:
                 L.pipelined_decode = False
             vars_["nopipe"] = nopipe
-            # the pipelined decode with its combine in a phase after every down task (before
-            # session 23: one thread combined each token block while the others waited)
-            cmb_phase = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
-            for L in cmb_phase:
-                L.combine_in_down = False
-            vars_["cmb_phase"] = cmb_phase
             # the last experts of a whole-expert chunk split into part tasks (default: as many
             # experts as threads, gate+up in 4 parts): off, other part counts, twice the experts
             for name, tail, parts in (("tail_off", None, 1), ("tailp2", None, 2), ("tailp8", None, 8),
@@ -508,7 +502,7 @@ def main(argv=None):
                 vars_ = {n: v for n, v in vars_.items() if n in keep}
             for T in a.variant_T:
                 # the fixed fine decode tasks only mean something at decode-sized T
-                decode_only = ("nopipe", "cmb_phase", "d4", "d8", "gvmax+1")
+                decode_only = ("nopipe", "d4", "d8", "gvmax+1")
                 vt = {n: v for n, v in vars_.items()
                       if T <= 64 or not (n.startswith(("bpt", "i4pf")) or n in decode_only)}
                 reps = a.variant_reps or (6 if T >= 512 else (100 if T <= 8 else 20))

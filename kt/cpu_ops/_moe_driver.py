@@ -32,11 +32,7 @@ Pipelined decode (desc[S_PIPE] != 0, tasks split within experts and every expert
 4 have none; the participant finishing an expert's last gate+up task computes its activations and
 marks it ready (per-expert words in A_DEP), and a down task waits only for its own expert. Two
 all-thread barriers (and the waits of threads idle behind the slowest gate+up and act tasks) go,
-and down tasks stream weights while other experts' gate+up tasks are still running. Its down
-tasks cut every expert at the same block bounds, so each column range of the output has one task
-per expert; with desc[S_CMB] the task that finishes a range last (a per-range count in A_DEP)
-combines that range for the chunk's tokens (same arithmetic, same order over k: the same bits),
-and phase 5 has no tasks: the combine no longer waits for the slowest down task, on one thread.
+and down tasks stream weights while other experts' gate+up tasks are still running.
 A fused chunk runs its last S_TAIL experts (the smallest, taken last) in the same pipelined order:
 split into gate+up and down part tasks (about S_TAILP and S_TAILP / 2 of them) listed after the
 whole experts, so the threads run out of work closer together than one whole expert apart.
@@ -71,8 +67,7 @@ A_X, A_OUT, A_IDS, A_TW, A_MASK = 0, 1, 2, 3, 4
 A_W13D, A_W13S, A_W13W, A_W2D, A_W2S, A_W2W = 5, 6, 7, 8, 9, 10
 A_POS, A_OFFS, A_ORDER, A_T13, A_T2 = 11, 12, 13, 14, 15
 A_XG, A_XS, A_GU, A_HQ, A_HS, A_Y, A_ACC = 16, 17, 18, 19, 20, 21, 22
-A_DEP = 23  # int64 [(E + nb2) * DEP_STRIDE]: per expert, gate+up tasks left and "activations
-            # ready"; then per down column range of a pipelined decode chunk, its tasks left
+A_DEP = 23  # int64 [E * DEP_STRIDE]: per expert, gate+up tasks left and "activations ready"
 A_RSLOT = 24  # int32 [rows]: gathered row -> its slot (t - t0) * K + k
 # per-participant scratch, int8 [nth, bytes each]: gathered activation rows and their scales,
 # gate+up outputs of a whole-expert task (kept in that core's cache)
@@ -101,8 +96,7 @@ S_WATCH = 287  # time-stamp-counter ticks a participant waits for another's work
 S_TABM = 288  # 1: the large-M INT4 kernel reads the ratio tables (A_W13R / A_W2R) as well
 S_PUBWAIT = 289  # tests: time-stamp-counter ticks a gated job's publisher waits between claiming
                  # the publication and writing the result (widens that window; 0 in use)
-S_CMB = 290  # 1: a pipelined decode chunk combines in its down tasks (see the module docstring)
-DESC_WORDS = 291  # the words above (a layer's template covers them all)
+DESC_WORDS = 290  # the words above (a layer's template covers them all)
 R_OPENED, R_FINISHED, R_BAD_IDS, R_OPEN_CYCLES, R_END_CYCLES = 0, 1, 2, 3, 4
 RESULT_WORDS = 5
 
@@ -112,8 +106,7 @@ PHASE_WORDS = 3 * CTRL_STRIDE  # claim, done, ntasks: one line each
 TOKEN_BLOCK = 8   # tokens per quantise / combine task
 ROW_BLOCK = 8     # gathered rows per activation task
 TASKS_PER_THREAD = 4
-DEP_STRIDE = 8    # one cache line of A_DEP per expert: [0] gate+up tasks left, [1] ready; and
-                  # per down column range (after the E experts' lines): [0] down tasks left
+DEP_STRIDE = 8    # one cache line of A_DEP per expert: [0] gate+up tasks left, [1] ready
 PIPE_ACT_MAX = 8192  # pipelined decode only if every expert's activations (rows x I) are this small
 
 
@@ -294,7 +287,7 @@ def _put_slot(desc, slot, a):
 
 @njit(cache=True)
 def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13,
-             bpt2, levels, prof, gate, done, result, pipe, cmb, tail, tailp, watch):
+             bpt2, levels, prof, gate, done, result, pipe, tail, tailp, watch):
     """Write the per-call words of ``desc``: the array slots (x, out, ids, tw, mask) and the call's
     scalars (one jitted call instead of five numpy ``.ctypes`` look-ups and ~15 item stores)."""
     _put_slot(desc, A_X, x)
@@ -317,7 +310,6 @@ def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_
     desc[S_DONE] = done
     desc[S_RESULT] = result
     desc[S_PIPE] = pipe
-    desc[S_CMB] = cmb
     desc[S_TAIL] = tail
     desc[S_TAILP] = tailp
     desc[S_WATCH] = watch
@@ -519,18 +511,6 @@ def _arm_pipeline(dep, tasks13, n13):
         dep[tasks13[j, 0] * DEP_STRIDE] += 1
 
 
-@njit(nogil=True, cache=True)
-def _arm_ranges(dep, E, tasks2, n2, nb2):
-    """Per-range words of a non-fused pipelined chunk whose down tasks combine: every expert's
-    down tasks cut its nb2 blocks at multiples of b2 (``_plan``), so each of the ranges has one
-    task per expert; its word starts at that count. Returns b2 (range r = blocks [r b2, r b2 + b2))."""
-    b2 = tasks2[0, 2] - tasks2[0, 1]
-    nr = (nb2 + b2 - 1) // b2
-    for r in range(nr):
-        dep[(E + r) * DEP_STRIDE] = n2 // nr
-    return b2
-
-
 # ----------------------------------------------------------------------------- stream gate
 
 @njit(nogil=True, cache=True)
@@ -661,33 +641,27 @@ def _act_rows(gu, ra, rb, I, up_off, hq, hs, h, bf16, R, hoff):
 
 
 @njit(nogil=True, cache=True)
-def _combine_tokens(out, t0, ta, tb, pos, tw, y, c0, c1, acc, incremental, R):
-    """Phase 5 for tokens [ta, tb), columns [c0, c1): out[t] = (out[t] if incremental) +
-    sum_k w[t,k] y[row], in fp32, k in order (so a column range gives those columns' bits of the
-    whole rows). Loops run over slices from 0 (an index Numba cannot prove non-negative keeps a
-    scalar loop)."""
+def _combine_tokens(out, t0, ta, tb, pos, tw, y, H, acc, incremental, R):
+    """Phase 5 for tokens [ta, tb): out[t] = (out[t] if incremental) + sum_k w[t,k] y[row]."""
     K = pos.shape[1]
-    n = c1 - c0
-    a = acc[:n]
     for t in range(ta, tb):
-        o = out[t, c0:c1]
         if incremental:
-            for j in range(n):
-                a[j] = _to_f32(o[j])
+            for j in range(H):
+                acc[j] = _to_f32(out[t, j])
         else:
-            for j in range(n):
-                a[j] = np.float32(0.0)
+            for j in range(H):
+                acc[j] = np.float32(0.0)
         for k in range(K):
             r = pos[t - t0, k]
             if r < 0:
                 continue
             wk = tw[t, k]
             for lv in range(R):
-                yr = y[r + lv, c0:c1]
-                for j in range(n):
-                    a[j] += wk * yr[j]
-        for j in range(n):
-            o[j] = _from_f32(a[j], o[j])
+                yr = y[r + lv]
+                for j in range(H):
+                    acc[j] += wk * yr[j]
+        for j in range(H):
+            out[t, j] = _from_f32(acc[j], out[t, j])
 
 
 @njit(nogil=True, cache=True)
@@ -805,7 +779,6 @@ def moe_job(nth, jctrl, desc):
     dep = _arr1(desc, A_DEP, np.int64)
     rslot = _arr1(desc, A_RSLOT, np.int32)
     K = pos.shape[1]
-    E = offs.shape[0] - 1
     nb13 = desc[A_W13D * SLOT + 2]
     nb2 = desc[A_W2D * SLOT + 2]
     R = desc[S_LEVELS]
@@ -853,14 +826,8 @@ def moe_job(nth, jctrl, desc):
                     pipe = (fused and n2 > 0) or (
                         desc[S_PIPE] != 0 and not fused and rows > 0
                         and (offs[order[0] + 1] - offs[order[0]]) * I <= PIPE_ACT_MAX)
-                    # the combine in the down tasks: every range's word armed (b2 beside
-                    # phase 5's ntasks, 0 = phase 5 combines)
-                    cmb_b2 = 0
                     if pipe:
                         _arm_pipeline(dep, tasks13, n13)
-                        if desc[S_CMB] != 0 and not fused:
-                            cmb_b2 = _arm_ranges(dep, E, tasks2, n2, nb2)
-                    jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = cmb_b2
                     # pipelined: phase 2 runs the down tasks too, after the gate+up tasks
                     jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE] = n13 + n2 if pipe else n13
                     jctrl[base + 2 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = n13  # beside ntasks
@@ -872,8 +839,7 @@ def moe_job(nth, jctrl, desc):
                     rb = (ROW_BLOCK if rows >= ROW_BLOCK * R * nth else 1) * R
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE + 1] = rb  # beside ntasks
                     jctrl[base + 3 * PHASE_WORDS + 2 * CTRL_STRIDE] = 0 if fused or pipe else (rows + rb - 1) // rb
-                    jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (
-                        0 if cmb_b2 > 0 else (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK)
+                    jctrl[base + 5 * PHASE_WORDS + 2 * CTRL_STRIDE] = (nt + TOKEN_BLOCK - 1) // TOKEN_BLOCK
                 elif ph == 1:
                     ta = t0 + i * TOKEN_BLOCK
                     tb = min(t1, ta + TOKEN_BLOCK)
@@ -922,20 +888,6 @@ def moe_job(nth, jctrl, desc):
                             c_end = cycles()
                             prof[4, 0] += c_end - tc
                             tc = c_end
-                        b2 = jctrl[pbase + 5 * PHASE_WORDS + 2 * CTRL_STRIDE + 1]
-                        if b2 > 0 and atomic_add(dep, (E + nb0 // b2) * DEP_STRIDE, -1) == 1:
-                            # this range's last down task: combine its columns (booked under
-                            # phase 5, which then has no tasks of its own)
-                            c0 = nb0 * 16
-                            c1 = min(nb1 * 16, H)
-                            if o_bf16:
-                                _combine_tokens(o16, t0, t0, t1, pos, tw, y, c0, c1, acc, incremental, R)
-                            else:
-                                _combine_tokens(o32, t0, t0, t1, pos, tw, y, c0, c1, acc, incremental, R)
-                            if pa != 0:
-                                c_end = cycles()
-                                prof[5, 0] += c_end - tc
-                                tc = c_end
                     elif ph == 2 and n > n13c and not whole and atomic_add(dep, e * DEP_STRIDE, -1) == 1:
                         # pipelined (decode, or a fused chunk's split experts): the expert's last
                         # gate+up task computes its activations and releases its down tasks
@@ -964,9 +916,9 @@ def moe_job(nth, jctrl, desc):
                     ta = t0 + i * TOKEN_BLOCK
                     tb = min(t1, ta + TOKEN_BLOCK)
                     if o_bf16:
-                        _combine_tokens(o16, t0, ta, tb, pos, tw, y, 0, H, acc, incremental, R)
+                        _combine_tokens(o16, t0, ta, tb, pos, tw, y, H, acc, incremental, R)
                     else:
-                        _combine_tokens(o32, t0, ta, tb, pos, tw, y, 0, H, acc, incremental, R)
+                        _combine_tokens(o32, t0, ta, tb, pos, tw, y, H, acc, incremental, R)
                 if pa != 0:
                     prof[ph, 0] += cycles() - tc
                 atomic_add(jctrl, base + CTRL_STRIDE, 1)

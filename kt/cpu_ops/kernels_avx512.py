@@ -221,6 +221,7 @@ def _i4_group(f, acc, corr, scale, si):
 
 INT4_PF_AHEAD = 2048  # bytes of packed lines gemv_int4_pf prefetches ahead (every other line)
 INT4_PFL_AHEAD = 4096  # bytes of packed lines gemv_int4_pfl prefetches ahead (every line)
+INT4_TAB_AHEAD = 8192  # ... and gemv_int4_tab, into L2
 
 
 @njit(nogil=True, cache=True)
@@ -259,13 +260,15 @@ def gemv_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
     weight), and one fp32 product by s_row * xs ends the row, instead of a fp32 multiply-add by
     each group's scale. It reads 16 bytes of ratios per (block, group) where the scales take
     64: 8 % fewer bytes for a decode that runs at the memory bandwidth (the qwen3 INT4 layer at
-    T=1 / 4: 4-6 % faster on 2 dev threads and on the device's 16, session 21). Its prefetches
-    go to L2 (prefetcht1), not L1: the layers that have tables run on Intel hosts (AMX, AVX-512
-    VNNI), where that keeps more lines in flight per core (qwen3 layer, T=1, interleaved with a
-    read of the same bytes, ``benchmarks/cpu_decode_floor.py``: 5-7 % faster on 1 and 2 dev
-    threads of an Emerald Rapids, session 23; ``gemv_int4_pfl`` keeps L1, as tuned on Zen 4).
+    T=1 / 4: 4-6 % faster on 2 dev threads and on the device's 16, session 21). It prefetches
+    every line INT4_TAB_AHEAD bytes ahead into L2 (prefetcht1), not 4 KiB ahead into L1: the
+    layers that have tables run on Intel hosts (AMX, AVX-512 VNNI), where that keeps more lines
+    in flight per core. qwen3 layer, T=1, interleaved (``benchmarks/cpu_decode_floor.py``,
+    session 23), min / median ms against L1 4 KiB: 2 dev threads 0.716 / 0.777 vs 0.785 / 0.834,
+    1 dev thread 1.383 / 1.474 vs 1.492 / 1.585, the device's 16 threads 0.200 / 0.219 vs
+    0.206 / 0.227 (L2 4 KiB there: 0.219 / 0.244). ``gemv_int4_pfl`` keeps L1, as tuned on Zen 4.
     Not a contract kernel: ``CPUMoE`` calls it with its tables."""
-    _gemv_int4(xq, xs, data, tab, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True,
+    _gemv_int4(xq, xs, data, tab, group_size, out, nb0, nb1, INT4_TAB_AHEAD, True,
                tab.reshape(-1).view(np.int8), True)
 
 

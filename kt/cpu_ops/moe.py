@@ -346,9 +346,6 @@ class CPUMoE:
         # Decode's down tasks wait per expert instead of behind all-thread barriers
         # (_moe_driver's "pipelined decode"). A tuning knob, not needed for correctness.
         self.pipelined_decode = True
-        # ... and each output column range is combined by its last down task instead of a combine
-        # phase after them all (_moe_driver's module docstring). A tuning knob, same bits.
-        self.combine_in_down = True
         self.tail_experts = None
         self.tail_parts = 4
         self.watchdog_s = DEFAULT_WATCHDOG_S
@@ -560,7 +557,7 @@ class CPUMoE:
             drv.A_Y: pool.scratch("moe.y", rows_cap * n2, np.float32).reshape(rows_cap, n2),
             drv.A_ACC: pool.scratch("moe.acc", pool.num_threads * hacc,
                                     np.float32).reshape(pool.num_threads, hacc),
-            drv.A_DEP: pool.scratch("moe.dep", (E + nb2) * drv.DEP_STRIDE, np.int64),
+            drv.A_DEP: pool.scratch("moe.dep", E * drv.DEP_STRIDE, np.int64),
         }
         # per-participant scratch (rows per kernel call, see _call_rows): gathered activations
         # and their scales, a whole-expert task's gate+up outputs
@@ -755,7 +752,7 @@ class CPUMoE:
                      int(xkind == "bf16"), int(okind == "bf16"), self.gemv_max, bpt13, bpt2,
                      self.levels, 0 if prof is None else prof.ctypes.data, start, done,
                      0 if words is None else words.ctypes.data, int(self.pipelined_decode),
-                     int(self.combine_in_down), pool.num_threads if tail is None else tail,
+                     pool.num_threads if tail is None else tail,
                      self._tail_parts, self._watch_ticks())
         return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self, words))
 
