@@ -59,10 +59,11 @@ def _read_bw(buf, lo, hi, streams):
 
 
 @njit(nogil=True)
-def _read_slice(buf, lo, hi, piece, streams, pf):
+def _read_slice(buf, lo, hi, piece, streams, pf, pf_hi):
     """Read buf[lo:hi) as ``_read_bw`` does, ``piece`` bytes at a time, in one call (a thread of
     ``all_thread_bandwidth`` never returns to Python, so no GIL between pieces); pf > 0: each stream
-    also hints the lines pf bytes ahead of its loads into L2 (prefetcht1), as the decode GEMVs do."""
+    also hints the lines pf bytes ahead of its loads into L2 (prefetcht1), as the decode GEMVs do,
+    up to byte pf_hi."""
     acc = splat_i32x16(0)
     acc2 = acc
     for p0 in range(lo, hi, piece):
@@ -70,7 +71,7 @@ def _read_slice(buf, lo, hi, piece, streams, pf):
         for off in range(0, span, 128):
             for s in range(streams):
                 b = p0 + s * span + off
-                if pf > 0 and b + pf + 128 <= hi:
+                if pf > 0 and b + pf + 128 <= pf_hi:
                     prefetch_l2(buf, b + pf)
                     prefetch_l2(buf, b + pf + 64)
                 acc = vor(acc, load_i32x16(buf, b))
@@ -214,10 +215,10 @@ def all_thread_bandwidth(threads: int, gib: float = 4.0, detail: dict | None = N
     sl = len(buf) // threads // (4 << 20) * (4 << 20)
     best = 0.0
     for pf in BW_PREFETCH:
-        _read_slice(buf, 0, 1 << 20, 1 << 20, 4, pf)
+        _read_slice(buf, 0, 1 << 20, 1 << 20, 4, pf, 1 << 20)
 
         def work(i, pf=pf):
-            _read_slice(buf, i * sl, (i + 1) * sl, 4 << 20, 4, pf)
+            _read_slice(buf, i * sl, (i + 1) * sl, 4 << 20, 4, pf, (i + 1) * sl)
 
         bw = max(sl * threads / threads_wall(work, threads) for _ in range(3))
         if detail is not None:

@@ -29,11 +29,11 @@ from numba import carray, njit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_gemm import _read_slice  # noqa: E402
 from bench_moe import SHAPES, routing  # noqa: E402
 from profile_moe import _layers  # noqa: E402
 from kt.config import QuantScheme  # noqa: E402
 from kt.cpu_ops._moe_driver import _ptr, cycles  # noqa: E402
-from kt.cpu_ops._simd import load_i32x16, prefetch_l2, splat_i32x16, store, vor  # noqa: E402
 from kt.cpu_ops.moe import tsc_hz  # noqa: E402
 from kt.cpu_ops.pool import (CTRL_STRIDE, JOB_COMPLETE, JOB_FREE, JOB_JOIN, CpuPool, atomic_add,  # noqa: E402
                              atomic_store)
@@ -54,8 +54,7 @@ def _read_job(nth, jctrl, desc):
     ch = desc[1]
     res = carray(_ptr(desc[2], np.int64), (nth * RES_WORDS,))
     nch = desc[3]
-    acc = splat_i32x16(0)
-    acc2 = acc
+    sink = np.int64(0)
     t_first = np.int64(0)
     while True:
         i = atomic_add(jctrl, JOB_FREE, 1)
@@ -74,18 +73,11 @@ def _read_job(nth, jctrl, desc):
         n = desc[5 + 2 * s]
         buf = carray(_ptr(desc[4 + 2 * s], np.uint8), (n,))
         lo = ci * ch
-        hi = min(n, lo + ch) // 128 * 128
-        for b in range(lo, hi, 128):
-            if b + PF + 128 <= n:
-                prefetch_l2(buf, b + PF)
-                prefetch_l2(buf, b + PF + 64)
-            acc = vor(acc, load_i32x16(buf, b))
-            acc2 = vor(acc2, load_i32x16(buf, b + 64))
-    sink = np.zeros(16, np.int32)
-    store(sink, 0, vor(acc, acc2))
+        # one stream, the L2 prefetch running on past the chunk to the segment's end
+        sink ^= _read_slice(buf, lo, min(n, lo + ch), ch, 1, PF, n)
     res[me * RES_WORDS] = t_first
     res[me * RES_WORDS + 1] = cycles() if t_first != 0 else 0
-    res[me * RES_WORDS + 2] = sink[0]
+    res[me * RES_WORDS + 2] = sink
     if atomic_add(jctrl, JOB_FREE + CTRL_STRIDE, 1) == nth - 1:
         atomic_store(jctrl, JOB_COMPLETE, 1)
 

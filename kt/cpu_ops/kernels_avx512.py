@@ -268,8 +268,7 @@ def gemv_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
     and 0.832 / 0.957 vs 0.870 / 0.981, 1 dev thread 1.383 / 1.474 vs 1.492 / 1.585; on the
     device's 16 threads level (two leases: 0.200 / 0.219 vs 0.206 / 0.227, 0.211 / 0.261 vs
     0.213 / 0.245; L2 4 KiB 0.219 / 0.244 and 0.198 / 0.237). ``gemv_int4_pfl`` keeps L1, as
-    tuned on Zen 4.
-    Not a contract kernel: ``CPUMoE`` calls it with its tables."""
+    tuned on Zen 4. Not a contract kernel: ``CPUMoE`` calls it with its tables."""
     _gemv_int4(xq, xs, data, tab, group_size, out, nb0, nb1, INT4_TAB_AHEAD, True,
                tab.reshape(-1).view(np.int8), True)
 
