@@ -1,0 +1,56 @@
+"""benchmarks/cpu_decode_floor.py and bw_methods.py on a tiny shape: they run end to end, the read
+job reads exactly the bytes the layer's kernels read for the call's experts, and the figures they
+write are the ones their rows describe (their real runs: the device, RESULTS.md section 2)."""
+import json
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_moe  # noqa: E402
+import bw_methods  # noqa: E402
+import cpu_decode_floor as cdf  # noqa: E402
+
+
+def test_decode_floor_tiny(tmp_path, monkeypatch):
+    monkeypatch.setitem(bench_moe.SHAPES, "tiny", (16, 2, 256, 128))
+    cdf.main(["--shape", "tiny", "--threads", "2", "--pool-gb", "0.01", "--rounds", "6",
+              "--schemes", "int8,int4", "--variants", "i4l1_4k", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "cpu_decode_floor.json").read_text())["rows"]
+    assert [(r["scheme"], r["variant"]) for r in rows] == [("int8", "default"), ("int4", "default"),
+                                                           ("int4", "i4l1_4k")]
+    for r in rows:
+        assert r["rounds"] == 6 and 0 < r["call_min_ms"] <= r["call_median_ms"]
+        assert 0 < r["read_span_min_ms"] <= r["read_span_median_ms"] and r["frac_of_floor_minima"] > 0
+
+
+def test_read_job_reads_the_kernels_bytes():
+    """The read covers read_arrays() of the experts asked for, and its span is measured."""
+    from kt.cpu_ops.moe import CPUMoE
+    from kt.cpu_ops.pool import CpuPool
+    from kt.testing import random_expert_weights
+
+    pool = CpuPool(2)
+    try:
+        g, u, d = random_expert_weights(8, 256, 128, seed=3)
+        for scheme in ("int8", "int4", "bf16"):
+            m = CPUMoE.from_tensors(g, u, d, scheme=scheme, pool=pool)
+            segs = cdf.read_segments(m, [1, 6])
+            assert sum(n for _, n in segs) == 2 * m.expert_read_bytes()
+            assert all(a.ctypes.data == arr[e].ctypes.data for (a, _), (arr, e) in
+                       zip(segs, [(arr, e) for e in (1, 6) for arr in m.read_arrays()]))
+            res = np.zeros(pool.num_threads * cdf.RES_WORDS, np.int64)
+            wall, span = cdf.timed_read(pool, segs, res)
+            assert 0 < span <= wall
+    finally:
+        pool.shutdown()
+
+
+def test_bw_methods_tiny(tmp_path):
+    bw_methods.main(["--threads", "2", "--rounds", "1", "--gib", "0.05", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bw_methods.json").read_text())["rows"]
+    r = rows[0]
+    assert r["per_piece_GBps"] > 0 and r["best_GBps"] == max(r[k] for k in r if k.startswith("pf"))
