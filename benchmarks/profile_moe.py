@@ -2,7 +2,9 @@
 
 Part 1 (profile): ``CPUMoE.profile``-style per-phase busy / barrier-wait time, summed over the
 pool's participants, for each scheme x T, on cold weights (layer copies used in turn) and fresh
-uniform routing per call.
+uniform routing per call; its wall times include the profile's own cost (at T=1 on 16 threads
+~5 %: take decode times from the variant rows or ``cpu_decode_floor.py``), and its floor counts
+``CPUMoE.expert_read_bytes`` against the all-thread bandwidth read once at the start.
 Part 2 (variants, interleaved call by call): the large-M kernel of the layer (the default
 ``gemm`` against alternatives passed as ``kernels=``) and the token chunk size.
 Part 3 (one core, kernels_amx only): the INT8 GEMM alone, blocked vs software-pipelined.
