@@ -12,6 +12,10 @@ their ratio. A single all-thread bandwidth figure moved 91-129 GB/s within one d
 moment as about the layer; this one is taken within milliseconds of each call.
 
     PYTHONPATH=. python3 benchmarks/cpu_decode_floor.py --threads 16 --rounds 300 --out $OUT
+
+``--variants gated`` adds the stream-gated job (a hybrid layer's decode path, no Python between
+its start and done flags) beside the plain call; the other variants swap the decode GEMV's
+prefetch (``DECODE_VARIANTS``).
 """
 from __future__ import annotations
 
@@ -166,6 +170,45 @@ def with_decode_kernel(layer, kernel):
     return m
 
 
+class GatedCall:
+    """Time a layer's stream-gated decode job (``CPUMoE.submit_gated``, the decode path of a hybrid
+    layer) from its start flag to its done flag: the job is published first (the Python part,
+    untimed, as a hybrid layer publishes it before the stream needs it), the pool's background
+    threads wait at its gate, and this thread sets "start" and spins until "done". The caller is
+    not a participant (as a hybrid layer's service thread is not): one pool thread fewer than a
+    plain call, and the spinning caller takes the core it leaves."""
+
+    def __init__(self, x, K):
+        if not isinstance(x, np.ndarray):  # a torch bf16 tensor: its bits
+            import torch
+
+            x = x.view(torch.int16).numpy().view(np.uint16)
+        self.x = np.ascontiguousarray(x)
+        self.out = np.empty_like(self.x)
+        self.ids = np.zeros((self.x.shape[0], K), np.int64)
+        self.w = np.zeros((self.x.shape[0], K), np.float32)
+        self.flags = np.zeros(32, np.int32)  # start at [0], done at [16]: lines of their own
+
+    def __call__(self, layer, ids, w) -> float:
+        self.ids[...] = ids
+        self.w[...] = w
+        self.flags[:] = 0
+        f = self.flags
+        h = layer.submit_gated(self.x, self.ids, self.w, self.out, f[0:].ctypes.data, f[16:].ctypes.data)
+        t_pub = time.perf_counter()
+        while time.perf_counter() - t_pub < 50e-6:  # the workers reach the gate
+            pass
+        t0 = time.perf_counter()
+        f[0] = 1
+        while f[16] == 0:
+            pass
+        dt = time.perf_counter() - t0
+        r = h.wait()
+        if not r.finished:
+            raise RuntimeError(f"gated job did not finish: {r}")
+        return dt
+
+
 def run_scheme(sname, a, pool, rng, rows):
     scheme = QuantScheme.parse(sname)
     E, K, H, I = SHAPES[a.shape]
@@ -180,9 +223,11 @@ def run_scheme(sname, a, pool, rng, rows):
     names = [v for v in a.variants.split(",") if v]
     if layers[0].variant == "amx" and (scheme is not QuantScheme.INT4 or layers[0]._tabs is not None):
         for v in names:
-            k = decode_variant(sname, v)
+            k = decode_variant(sname, v) if v != "gated" else None
             if k is not None:
                 variants[v] = [with_decode_kernel(L, k) for L in layers]
+    if "gated" in names:
+        variants["gated"] = layers
     if n < len(variants) + 1:
         raise SystemExit(f"{sname}: {n} copies for {len(variants)} variants and the read: raise --pool-gb")
     x = rng.standard_normal((1, H), dtype=np.float32)
@@ -191,6 +236,7 @@ def run_scheme(sname, a, pool, rng, rows):
 
         x = torch.from_numpy(x).to(torch.bfloat16)
     res = np.zeros(pool.num_threads * RES_WORDS, np.int64)
+    gated = GatedCall(x, K) if "gated" in variants else None
     calls = {v: [] for v in variants}
     spans, walls, nbytes = [], [], []
     off = n // (len(variants) + 1)  # every call of a round and its read on a copy of their own
@@ -199,10 +245,14 @@ def run_scheme(sname, a, pool, rng, rows):
         used = sorted(set(int(e) for e in ids.ravel() if e >= 0))
         for j, (v, Ls) in enumerate(variants.items()):
             L = Ls[(i + j * off) % n]
-            t1 = time.perf_counter()
-            L(x, ids, w)
+            if v == "gated":
+                dt = gated(L, ids, w)
+            else:
+                t1 = time.perf_counter()
+                L(x, ids, w)
+                dt = time.perf_counter() - t1
             if i >= 3:
-                calls[v].append(time.perf_counter() - t1)
+                calls[v].append(dt)
         # the same experts of a copy no call of this round read
         segs = read_segments(layers[(i + len(variants) * off) % n], used)
         wall, span = timed_read(pool, segs, res)
@@ -242,7 +292,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--x-bf16", action="store_true", help="bf16 torch input, as a model passes it")
     ap.add_argument("--variants", default="", help=f"decode GEMV variants beside the default, "
-                    f"interleaved (i4*: INT4, the others INT8 / BF16): {','.join(DECODE_VARIANTS)}")
+                    f"interleaved (i4*: INT4, the others INT8 / BF16): {','.join(DECODE_VARIANTS)}; "
+                    f"and 'gated': the stream-gated job from its start flag to its done flag")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     pool = CpuPool(a.threads)

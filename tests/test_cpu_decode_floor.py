@@ -18,10 +18,10 @@ import cpu_decode_floor as cdf  # noqa: E402
 def test_decode_floor_tiny(tmp_path, monkeypatch):
     monkeypatch.setitem(bench_moe.SHAPES, "tiny", (16, 2, 256, 128))
     cdf.main(["--shape", "tiny", "--threads", "2", "--pool-gb", "0.01", "--rounds", "6",
-              "--schemes", "int8,int4", "--variants", "i4l1_4k", "--out", str(tmp_path)])
+              "--schemes", "int8,int4", "--variants", "i4l1_4k,gated", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "cpu_decode_floor.json").read_text())["rows"]
-    assert [(r["scheme"], r["variant"]) for r in rows] == [("int8", "default"), ("int4", "default"),
-                                                           ("int4", "i4l1_4k")]
+    assert [(r["scheme"], r["variant"]) for r in rows] == [
+        ("int8", "default"), ("int8", "gated"), ("int4", "default"), ("int4", "i4l1_4k"), ("int4", "gated")]
     for r in rows:
         assert r["rounds"] == 6 and 0 < r["call_min_ms"] <= r["call_median_ms"]
         assert 0 < r["read_span_min_ms"] <= r["read_span_median_ms"] and r["frac_of_floor_minima"] > 0
