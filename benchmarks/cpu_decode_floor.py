@@ -96,6 +96,8 @@ def timed_read(pool: CpuPool, segs, res: np.ndarray) -> tuple[float, float]:
     nth = pool.num_threads
     t0 = time.perf_counter()
     desc, _ = pool.begin(JOB_FREE + 2 * CTRL_STRIDE)
+    if 4 + 2 * len(segs) > desc.size:
+        raise ValueError(f"{len(segs)} segments do not fit the pool's job descriptor")
     desc[0] = len(segs)
     desc[1] = CHUNK
     desc[2] = res.ctypes.data
