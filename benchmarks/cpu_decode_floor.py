@@ -39,8 +39,8 @@ from profile_moe import _layers  # noqa: E402
 from kt.config import QuantScheme  # noqa: E402
 from kt.cpu_ops._moe_driver import _ptr, cycles  # noqa: E402
 from kt.cpu_ops.moe import tsc_hz  # noqa: E402
-from kt.cpu_ops.pool import (CTRL_STRIDE, JOB_COMPLETE, JOB_FREE, JOB_JOIN, CpuPool, atomic_add,  # noqa: E402
-                             atomic_store)
+from kt.cpu_ops.pool import (CTRL_STRIDE, DESC_SIZE, JOB_COMPLETE, JOB_FREE, JOB_JOIN, CpuPool,  # noqa: E402
+                             atomic_add, atomic_store)
 
 CHUNK = 64 << 10
 PF = 4096
@@ -95,9 +95,9 @@ def timed_read(pool: CpuPool, segs, res: np.ndarray) -> tuple[float, float]:
     """(wall seconds of the read job, seconds from its first chunk's start to its last chunk's end)."""
     nth = pool.num_threads
     t0 = time.perf_counter()
-    desc, _ = pool.begin(JOB_FREE + 2 * CTRL_STRIDE)
-    if 4 + 2 * len(segs) > desc.size:
+    if 4 + 2 * len(segs) > DESC_SIZE:
         raise ValueError(f"{len(segs)} segments do not fit the pool's job descriptor")
+    desc, _ = pool.begin(JOB_FREE + 2 * CTRL_STRIDE)
     desc[0] = len(segs)
     desc[1] = CHUNK
     desc[2] = res.ctypes.data
