@@ -20,8 +20,12 @@ def test_decode_floor_tiny(tmp_path, monkeypatch):
     cdf.main(["--shape", "tiny", "--threads", "2", "--pool-gb", "0.01", "--rounds", "6",
               "--schemes", "int8,int4", "--variants", "i4l1_4k,gated", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "cpu_decode_floor.json").read_text())["rows"]
+    from kt.cpu_ops import isa
+
+    # the prefetch variants swap an AMX host's decode kernel; elsewhere only the gated job is added
+    i4 = [("int4", "i4l1_4k")] if isa.detect().variant == "amx" else []
     assert [(r["scheme"], r["variant"]) for r in rows] == [
-        ("int8", "default"), ("int8", "gated"), ("int4", "default"), ("int4", "i4l1_4k"), ("int4", "gated")]
+        ("int8", "default"), ("int8", "gated"), ("int4", "default")] + i4 + [("int4", "gated")]
     for r in rows:
         assert r["rounds"] == 6 and 0 < r["call_min_ms"] <= r["call_median_ms"]
         assert 0 < r["read_span_min_ms"] <= r["read_span_median_ms"] and r["frac_of_floor_minima"] > 0
