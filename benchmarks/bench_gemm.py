@@ -43,27 +43,11 @@ POOL_BYTES = 256 << 20
 # ----------------------------------------------------------------------------- roofline kernels
 
 @njit(nogil=True)
-def _read_bw(buf, lo, hi, streams):
-    """Read buf[lo:hi) (bytes) as ``streams`` interleaved streams of 2 x 64-byte loads."""
-    acc = splat_i32x16(0)
-    acc2 = acc
-    span = (hi - lo) // streams // 128 * 128
-    for off in range(0, span, 128):
-        for s in range(streams):
-            b = lo + s * span + off
-            acc = vor(acc, load_i32x16(buf, b))
-            acc2 = vor(acc2, load_i32x16(buf, b + 64))
-    out = np.zeros(16, np.int32)
-    store(out, 0, vor(acc, acc2))
-    return out[0], span * streams
-
-
-@njit(nogil=True)
 def _read_slice(buf, lo, hi, piece, streams, pf, pf_hi):
-    """Read buf[lo:hi) as ``_read_bw`` does, ``piece`` bytes at a time, in one call (a thread of
-    ``all_thread_bandwidth`` never returns to Python, so no GIL between pieces); pf > 0: each stream
-    also hints the lines pf bytes ahead of its loads into L2 (prefetcht1), as the decode GEMVs do,
-    up to byte pf_hi."""
+    """Read buf[lo:hi) (bytes) ``piece`` bytes at a time, each piece as ``streams`` interleaved
+    streams of 2 x 64-byte loads, in one call (a thread of ``all_thread_bandwidth`` never returns
+    to Python, so no GIL between pieces); pf > 0: each stream also hints the lines pf bytes ahead
+    of its loads into L2 (prefetcht1), as the decode GEMVs do, up to byte pf_hi."""
     acc = splat_i32x16(0)
     acc2 = acc
     for p0 in range(lo, hi, piece):
@@ -79,6 +63,13 @@ def _read_slice(buf, lo, hi, piece, streams, pf, pf_hi):
     out = np.zeros(16, np.int32)
     store(out, 0, vor(acc, acc2))
     return out[0]
+
+
+@njit(nogil=True)
+def _read_bw(buf, lo, hi, streams):
+    """``_read_slice`` of buf[lo:hi) as one piece without prefetch; returns (its value, the bytes
+    read: the streams' whole 128-byte steps)."""
+    return _read_slice(buf, lo, hi, hi - lo, streams, 0, hi), (hi - lo) // streams // 128 * 128 * streams
 
 
 @njit(nogil=True)

@@ -2,9 +2,10 @@
 
 For each shape x scheme x thread count x T, in one process:
 - min / median µs per layer call; GB/s of expert weights touched (distinct CPU experts hit x
-  the bytes one expert's kernels read, ``CPUMoE.expert_read_bytes``); TOPS (2 * T * K * 3 * H * I); fraction of the roofline floor
-  max(bytes / measured bandwidth, ops / (measured per-thread peak x threads)), bandwidth and peaks
-  measured in the same run (benchmarks/bench_gemm.py's measurements);
+  the bytes one expert's kernels read, ``CPUMoE.expert_read_bytes``); TOPS (2 * T * K * 3 * H *
+  I); fraction of the roofline floor max(bytes / measured bandwidth, ops / (measured per-thread
+  peak x threads)), bandwidth and peaks measured in the same run (benchmarks/bench_gemm.py's
+  measurements);
 - cold weights: every call uses the next of several copies of the layer, totalling --pool-gb;
 - uniform routing: each token's K experts drawn without replacement, fresh for every call;
 - per-call overhead: the pool's empty-job round trip and a T=1 call whose experts are all masked

@@ -114,8 +114,10 @@ def _routing_np(name: str, a) -> np.ndarray:
     if type(a) is np.ndarray:
         return a
     if _is_torch(a):
+        import torch
+
         t = _torch_cpu(name, a)
-        return t.float().numpy() if str(t.dtype) == "torch.bfloat16" else t.numpy()
+        return t.float().numpy() if t.dtype is torch.bfloat16 else t.numpy()
     if isinstance(a, np.ndarray):
         return a
     raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {type(a).__name__}")
@@ -614,7 +616,7 @@ class CPUMoE:
             raise ValueError("incremental=True needs out= (the output to add into)")
 
         # output: the driver writes fp32 or bf16 bits; anything else goes through a temporary
-        torch_in = _is_torch(x)
+        torch_in = not isinstance(x, np.ndarray)  # (_to_numpy_2d took anything else as torch)
         okind = "bf16" if xkind == "bf16" else "f32"
         direct = None
         if out is not None:
