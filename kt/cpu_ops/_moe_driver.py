@@ -286,15 +286,8 @@ def _put_slot(desc, slot, a):
 
 
 @njit(cache=True)
-def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13,
-             bpt2, levels, prof, gate, done, result, pipe, tail, tailp, watch):
-    """Write the per-call words of ``desc``: the array slots (x, out, ids, tw, mask) and the call's
-    scalars (one jitted call instead of five numpy ``.ctypes`` look-ups and ~15 item stores)."""
-    _put_slot(desc, A_X, x)
-    _put_slot(desc, A_OUT, out)
-    _put_slot(desc, A_IDS, ids)
-    _put_slot(desc, A_TW, tw)
-    _put_slot(desc, A_MASK, mask)
+def _put_words(desc, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13, bpt2, levels, prof, gate,
+               done, result, pipe, tail, tailp, watch):
     desc[S_T] = T
     desc[S_CHUNK] = C
     desc[S_NCHUNK] = nch
@@ -316,6 +309,41 @@ def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_
 
 
 @njit(cache=True)
+def put_call(desc, x, out, ids, tw, mask, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13,
+             bpt2, levels, prof, gate, done, result, pipe, tail, tailp, watch):
+    """Write the per-call words of ``desc``: the array slots (x, out, ids, tw, mask) and the call's
+    scalars (one jitted call instead of five numpy ``.ctypes`` look-ups and ~15 item stores)."""
+    _put_slot(desc, A_X, x)
+    _put_slot(desc, A_OUT, out)
+    _put_slot(desc, A_IDS, ids)
+    _put_slot(desc, A_TW, tw)
+    _put_slot(desc, A_MASK, mask)
+    _put_words(desc, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13, bpt2, levels, prof, gate,
+               done, result, pipe, tail, tailp, watch)
+
+
+@njit(cache=True)
+def put_call_at(desc, x, out, ids, tw, mask, H, K, E, T, C, nch, incr, x_bf16, o_bf16, gemv_max,
+                bpt13, bpt2, levels, prof, gate, done, result, pipe, tail, tailp, watch):
+    """put_call for arrays given by their addresses (x, out [T, H], ids, tw [T, K], mask [E]: a
+    caller's torch tensors, with no numpy views made for them); returns id_range of the ids (the
+    caller checks it before it publishes the job)."""
+    o = A_X * SLOT
+    desc[o], desc[o + 1], desc[o + 2] = x, T, H
+    o = A_OUT * SLOT
+    desc[o], desc[o + 1], desc[o + 2] = out, T, H
+    o = A_IDS * SLOT
+    desc[o], desc[o + 1], desc[o + 2] = ids, T, K
+    o = A_TW * SLOT
+    desc[o], desc[o + 1], desc[o + 2] = tw, T, K
+    o = A_MASK * SLOT
+    desc[o], desc[o + 1] = mask, E
+    _put_words(desc, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13, bpt2, levels, prof, gate,
+               done, result, pipe, tail, tailp, watch)
+    return id_range(carray(_ptr(ids, np.int64), (T, K)))
+
+
+@njit(cache=True)
 def id_range(ids):
     """(min, max) of an int64 [T, K] array (T*K > 0)."""
     lo = ids[0, 0]
@@ -328,6 +356,7 @@ def id_range(ids):
             if v > hi:
                 hi = v
     return lo, hi
+
 
 
 # ----------------------------------------------------------------------------- activations

@@ -400,6 +400,70 @@ def test_torch_io_and_async(pool):
                        m(xb, ids, wb.float().numpy(), gpu_mask=gm.numpy()))
 
 
+def test_tensor_path_gives_the_general_paths_bits(pool, monkeypatch):
+    """The decode path for CPU torch tensors (addresses straight to the driver) against the
+    general path on the same inputs, bit for bit, over the argument forms it takes and the ones
+    it hands back to the general path (which then converts them or raises its usual error)."""
+    torch = pytest.importorskip("torch")
+    m = layer("int8", "double", pool=pool, chunk_tokens=1, max_tokens=40)[0]
+    H, E = m.hidden, m.num_experts
+    assert m.max_gated_tokens < 40  # T=40 takes two jobs
+    taken = []
+    fast = CPUMoE._submit_tensors
+
+    def spy(self, *a):
+        h = fast(self, *a)
+        taken.append(h is not None)
+        return h
+
+    monkeypatch.setattr(CPUMoE, "_submit_tensors", spy)
+    rng = np.random.default_rng(11)
+    mask = np.zeros(E, bool)
+    mask[2] = True
+    for T, xdt, ids_form, w_form, mask_form, on_path in [
+            (1, torch.bfloat16, "torch", "torch", None, True),
+            (3, torch.float32, "numpy", "numpy", "numpy", True),
+            (5, torch.bfloat16, "torch", "bf16", "torch", True),
+            (1, torch.bfloat16, "int32", "torch", None, False),
+            (2, torch.float16, "torch", "torch", None, False),
+            (40, torch.bfloat16, "torch", "torch", "torch", False)]:
+        x = torch.from_numpy(rng.standard_normal((T, H), dtype=np.float32)).to(xdt)
+        ids, w = routing(rng, T, E, 3)
+        idt = {"torch": torch.from_numpy(ids), "numpy": ids,
+               "int32": torch.from_numpy(ids).to(torch.int32)}[ids_form]
+        wt = {"torch": torch.from_numpy(w), "numpy": w,
+              "bf16": torch.from_numpy(w).to(torch.bfloat16)}[w_form]
+        gm = {None: None, "numpy": mask, "torch": torch.from_numpy(mask)}[mask_form]
+        taken.clear()
+        got = m(x, idt, wt, gpu_mask=gm)
+        assert taken == [on_path], (T, xdt, ids_form, w_form, mask_form)
+        with monkeypatch.context() as mp:
+            mp.setattr(CPUMoE, "_submit_tensors", lambda self, *a: None)
+            want = m(x, idt, wt, gpu_mask=gm)
+        assert got.dtype == xdt and torch.equal(got, want), (T, xdt, ids_form, w_form, mask_form)
+    # what the general path refuses, given as tensors
+    x = torch.zeros(2, H, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 3, dtype=torch.int64)
+    w = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[-1, 8\)"):
+        m(x, torch.full((2, 3), E), w)
+    with pytest.raises(ValueError, match="topk_ids must be in"):
+        m(x, torch.full((2, 3), -2), w)
+    with pytest.raises(ValueError, match="x must be"):
+        m(torch.zeros(2, H + 1, dtype=torch.bfloat16), ids, w)
+    with pytest.raises(ValueError, match="topk_weights must have the shape"):
+        m(x, ids, torch.ones(2, 2))
+    with pytest.raises(ValueError, match="max_tokens=40"):
+        m(torch.zeros(41, H, dtype=torch.bfloat16), torch.zeros(41, 3, dtype=torch.int64),
+          torch.ones(41, 3))
+    with pytest.raises(ValueError, match="gpu_mask must be"):
+        m(x, ids, w, gpu_mask=torch.zeros(E + 1, dtype=torch.bool))
+    with pytest.raises(TypeError, match="gpu_mask must be bool"):
+        m(x, ids, w, gpu_mask=torch.zeros(E, dtype=torch.int32))
+    with pytest.raises(TypeError, match="topk_weights must be floating point"):
+        m(x, ids, torch.ones(2, 3, dtype=torch.int64))
+
+
 def test_profile_books_every_phase(pool):
     """CPUMoE.profile: the same output as a plain call, and busy time in the phases that ran:
     split tasks (decode-sized: act and down phases of their own) and whole-expert tasks (prefill:
