@@ -14,8 +14,13 @@ moment as about the layer; this one is taken within milliseconds of each call.
     PYTHONPATH=. python3 benchmarks/cpu_decode_floor.py --threads 16 --rounds 300 --out $OUT
 
 ``--variants gated`` adds the stream-gated job (a hybrid layer's decode path, no Python between
-its start and done flags) beside the plain call; the other variants swap the decode GEMV's
-prefetch (``DECODE_VARIANTS``).
+its start and done flags) beside the plain call; ``stamped`` the plain call with its parts timed
+(the Python before its job, the job, what follows); ``general`` the plain call without the tensor
+path (``CPUMoE._submit_tensors``); the other variants swap the decode GEMV's prefetch
+(``DECODE_VARIANTS``). The variants' order turns each round. ``--sequence N`` runs each variant N
+calls in a row (other copies, as a model's layers come) and leaves the first out: a call after
+one of its own kind rather than after the read (session 24 found the order moved a call's Python
+by tens of microseconds).
 """
 from __future__ import annotations
 
@@ -211,6 +216,81 @@ class GatedCall:
         return dt
 
 
+def stamped_job(stamps: np.ndarray):
+    """``moe_job`` wrapped to note each participant's entry and exit (time-stamp counter) in
+    ``stamps`` (int64: a claim counter, then an (entry, exit) pair per participant), so that a
+    plain call's wall time splits into its Python before the job, the job, and what follows."""
+    from kt.cpu_ops._moe_driver import moe_job
+
+    addr = stamps.ctypes.data
+    size = stamps.size
+    n = (size - CTRL_STRIDE) // 2
+
+    @njit(nogil=True)
+    def job(nth, jctrl, desc):
+        st = carray(_ptr(addr, np.int64), (size,))
+        t = cycles()
+        k = atomic_add(st, 0, 1)
+        moe_job(nth, jctrl, desc)
+        if k < n:
+            st[CTRL_STRIDE + 2 * k] = t
+            st[CTRL_STRIDE + 2 * k + 1] = cycles()
+    return job
+
+
+class StampedCall:
+    """A plain call with its job swapped for ``stamped_job``: returns its wall seconds and
+    notes (Python before the first participant entered, before the last one did, first entry
+    to last exit, last exit to the call's return), in microseconds."""
+
+    def __init__(self, nthreads: int):
+        from kt.cpu_ops import _moe_driver as drv
+
+        self.drv = drv
+        self.stamps = np.zeros(CTRL_STRIDE + 2 * (nthreads + 4), np.int64)
+        self.job = stamped_job(self.stamps)
+        self.parts = []
+
+    def __call__(self, layer, x, ids, w, keep: bool = True) -> float:
+        drv = self.drv
+        real = drv.moe_job
+        st = self.stamps
+        st[:] = 0
+        drv.moe_job = self.job
+        try:
+            t1 = time.perf_counter()
+            c0 = drv.read_cycles()
+            layer(x, ids, w)
+            c1 = drv.read_cycles()
+            dt = time.perf_counter() - t1
+        finally:
+            drv.moe_job = real
+        k = min(int(st[0]), (st.size - CTRL_STRIDE) // 2)
+        ent = st[CTRL_STRIDE: CTRL_STRIDE + 2 * k: 2]
+        ext = st[CTRL_STRIDE + 1: CTRL_STRIDE + 2 * k: 2]
+        us = 1e6 / tsc_hz()
+        if keep:
+            self.parts.append(((ent.min() - c0) * us, (ent.max() - c0) * us, (ext.max() - ent.min()) * us,
+                           (c1 - ext.max()) * us))
+        return dt
+
+
+def call_variant(v, L, x, ids, w, gated, stamped, keep) -> float:
+    """One T=1 call of variant ``v`` on layer ``L``; its seconds (``keep``: a call that counts)."""
+    if v == "gated":
+        return gated(L, ids, w)
+    if v == "stamped":
+        return stamped(L, x, ids, w, keep)
+    if v == "general":  # without the tensor path (CPUMoE._submit_tensors)
+        L._submit_tensors = _off_path
+    try:
+        t1 = time.perf_counter()
+        L(x, ids, w)
+        return time.perf_counter() - t1
+    finally:
+        L.__dict__.pop("_submit_tensors", None)
+
+
 def run_scheme(sname, a, pool, rng, rows):
     scheme = QuantScheme.parse(sname)
     E, K, H, I = SHAPES[a.shape]
@@ -225,13 +305,12 @@ def run_scheme(sname, a, pool, rng, rows):
     names = [v for v in a.variants.split(",") if v]
     if layers[0].variant == "amx" and (scheme is not QuantScheme.INT4 or layers[0]._tabs is not None):
         for v in names:
-            k = decode_variant(sname, v) if v != "gated" else None
+            k = decode_variant(sname, v) if v in DECODE_VARIANTS else None
             if k is not None:
                 variants[v] = [with_decode_kernel(L, k) for L in layers]
-    if "gated" in names:
-        variants["gated"] = layers
-    if n < len(variants) + 1:
-        raise SystemExit(f"{sname}: {n} copies for {len(variants)} variants and the read: raise --pool-gb")
+    for v in ("gated", "stamped", "general"):
+        if v in names:
+            variants[v] = layers
     x = rng.standard_normal((1, H), dtype=np.float32)
     if a.x_bf16:
         import torch
@@ -239,24 +318,30 @@ def run_scheme(sname, a, pool, rng, rows):
         x = torch.from_numpy(x).to(torch.bfloat16)
     res = np.zeros(pool.num_threads * RES_WORDS, np.int64)
     gated = GatedCall(x, K) if "gated" in variants else None
+    stamped = StampedCall(pool.num_threads) if "stamped" in variants else None
     calls = {v: [] for v in variants}
     spans, walls, nbytes = [], [], []
-    off = n // (len(variants) + 1)  # every call of a round and its read on a copy of their own
+    names = list(variants)
+    seq = a.sequence
+    c = 0  # copies in turn, calls and reads alike: a copy comes back after n uses (cold again)
     for i in range(a.rounds + 3):
         ids, w = routing(rng, 1, E, K)
         used = sorted(set(int(e) for e in ids.ravel() if e >= 0))
-        for j, (v, Ls) in enumerate(variants.items()):
-            L = Ls[(i + j * off) % n]
-            if v == "gated":
-                dt = gated(L, ids, w)
-            else:
-                t1 = time.perf_counter()
-                L(x, ids, w)
-                dt = time.perf_counter() - t1
+        # the variants' order turns each round: none always follows the read (a job the caller
+        # took part in) or the same other variant
+        r = i % len(names)
+        for v in names[r:] + names[:r]:
+            # with sequences, the first call (after another variant) is left out
+            ts = []
+            for k in range(seq):
+                keep = i >= 3 and (seq == 1 or k > 0)
+                ts.append(call_variant(v, variants[v][c % n], x, ids, w, gated, stamped, keep))
+                c += 1
             if i >= 3:
-                calls[v].append(dt)
+                calls[v].append(statistics.fmean(ts[1:]) if seq > 1 else ts[0])
         # the same experts of a copy no call of this round read
-        segs = read_segments(layers[(i + len(variants) * off) % n], used)
+        segs = read_segments(layers[c % n], used)
+        c += 1
         wall, span = timed_read(pool, segs, res)
         if i < 3:  # warm-up (compile, first touch)
             continue
@@ -279,10 +364,25 @@ def run_scheme(sname, a, pool, rng, rows):
              "call_median_ms": round(statistics.median(cs) * 1e3, 4), **read,
              "frac_of_floor_per_round_median": round(statistics.median(ratios), 3),
              "frac_of_floor_minima": round(min(spans) / min(cs), 3)}
+        if v == "stamped":
+            parts = np.array(stamped.parts)
+            med = np.median(parts, axis=0)
+            r.update({"us_to_first_entry_median": round(float(med[0]), 1),
+                      "us_to_last_entry_median": round(float(med[1]), 1),
+                      "us_job_median": round(float(med[2]), 1),
+                      "us_after_job_median": round(float(med[3]), 1)})
         rows.append(r)
+        if v == "stamped":
+            print(f"  T=1 stamped parts (median us): call to first entry {r['us_to_first_entry_median']}, "
+                  f"to last entry {r['us_to_last_entry_median']}, first entry to last exit "
+                  f"{r['us_job_median']}, last exit to return {r['us_after_job_median']}")
         print(f"  T=1 {v:9s}: call {r['call_min_ms']:.3f} / {r['call_median_ms']:.3f} ms (min / median); "
               f"floor / call {100 * r['frac_of_floor_per_round_median']:.0f} % per round (median), "
               f"{100 * r['frac_of_floor_minima']:.0f} % of minima", flush=True)
+
+
+def _off_path(*args):
+    return None
 
 
 def main(argv=None):
@@ -295,7 +395,12 @@ def main(argv=None):
     ap.add_argument("--x-bf16", action="store_true", help="bf16 torch input, as a model passes it")
     ap.add_argument("--variants", default="", help=f"decode GEMV variants beside the default, "
                     f"interleaved (i4*: INT4, the others INT8 / BF16): {','.join(DECODE_VARIANTS)}; "
-                    f"and 'gated': the stream-gated job from its start flag to its done flag")
+                    f"and 'gated': the stream-gated job from its start flag to its done flag; 'stamped': the "
+                    f"plain call with its parts timed; 'general': the plain call without the "
+                    f"tensor path")
+    ap.add_argument("--sequence", type=int, default=1,
+                    help="calls of a variant in a row per round (on other copies), as a model's "
+                         "layers come one after another; the first of each run is left out")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     pool = CpuPool(a.threads)

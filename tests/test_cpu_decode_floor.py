@@ -1,4 +1,4 @@
-"""benchmarks/cpu_decode_floor.py and bw_methods.py on a tiny shape: they run end to end, the read
+"""benchmarks/cpu_decode_floor.py, decode_submit_probe.py and bw_methods.py on a tiny shape: they run end to end, the read
 job reads exactly the bytes the layer's kernels read for the call's experts, and the figures they
 write are the ones their rows describe (their real runs: the device, RESULTS.md section 2)."""
 import json
@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_moe  # noqa: E402
 import bw_methods  # noqa: E402
 import cpu_decode_floor as cdf  # noqa: E402
+import decode_submit_probe  # noqa: E402
 
 
 def test_decode_floor_tiny(tmp_path, monkeypatch):
@@ -29,6 +30,34 @@ def test_decode_floor_tiny(tmp_path, monkeypatch):
     for r in rows:
         assert r["rounds"] == 6 and 0 < r["call_min_ms"] <= r["call_median_ms"]
         assert 0 < r["read_span_min_ms"] <= r["read_span_median_ms"] and r["frac_of_floor_minima"] > 0
+
+
+def test_decode_floor_sequences_and_call_parts(tmp_path, monkeypatch):
+    """--sequence with the plain call's parts timed (stamped) and the general path beside it."""
+    monkeypatch.setitem(bench_moe.SHAPES, "tiny", (16, 2, 256, 128))
+    cdf.main(["--shape", "tiny", "--threads", "2", "--pool-gb", "0.01", "--rounds", "5",
+              "--sequence", "3", "--schemes", "int8", "--variants", "stamped,general",
+              "--x-bf16", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "cpu_decode_floor.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["default", "stamped", "general"]
+    st = rows[1]
+    # the job's span and the Python around it fit in the call (medians of different rounds
+    # need not add up exactly, so within the call's median plus its spread)
+    parts = [st[k] for k in ("us_to_first_entry_median", "us_job_median", "us_after_job_median")]
+    assert all(p >= 0 for p in parts) and st["us_job_median"] > 0
+    assert st["us_to_first_entry_median"] <= st["us_to_last_entry_median"]
+    assert sum(parts) <= 2 * st["call_median_ms"] * 1e3
+
+
+def test_decode_submit_probe_tiny(tmp_path, monkeypatch):
+    monkeypatch.setitem(bench_moe.SHAPES, "tiny", (16, 2, 256, 128))
+    decode_submit_probe.main(["--shape", "tiny", "--threads", "2", "--pool-gb", "0.01", "--rounds",
+                              "3", "--sequence", "2", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "decode_submit_probe.json").read_text())["rows"]
+    assert [r["mode"] for r in rows[:-1]] == list(decode_submit_probe.MODES)
+    for r in rows[:-1]:
+        assert 0 < r["submit_median_us"] < r["total_median_us"] and sum(r["caller_cpus"].values()) == 3
+    assert rows[-1]["pieces_us"]["masked call"] > 0
 
 
 def test_read_job_reads_the_kernels_bytes():
