@@ -152,12 +152,16 @@ def _amx_gemv(scheme: str, pf: int, l2: bool):
 DECODE_VARIANTS = {"i4l1_4k": ("int4", 4096, False), "i4l1_8k": ("int4", 8192, False),
                    "i4l2_4k": ("int4", 4096, True), "i4l2_16k": ("int4", 16384, True),
                    "l2_4": ("amx", 4, True), "l2_8": ("amx", 8, True), "l2_16": ("amx", 16, True),
-                   "l1_8": ("amx", 8, False)}
+                   "l1_8": ("amx", 8, False), "avx512": ("avx512", 0, False)}
 
 
 def decode_variant(sname: str, name: str):
     """The decode kernel of variant ``name`` for scheme ``sname``, or None if it is not for it."""
     kind, dist, l2 = DECODE_VARIANTS[name]
+    if kind == "avx512":  # the AVX-512 GEMV on the same packed weights (VNNI / BF16 dot products)
+        from kt.cpu_ops import kernels_avx512 as KV
+
+        return {"int8": KV.gemv_int8, "bf16": KV.gemv_bf16}.get(sname)
     if kind == "int4":
         return _int4_tab_gemv(dist, l2) if sname == "int4" else None
     return _amx_gemv(sname, dist, l2) if sname in ("int8", "bf16") else None

@@ -142,9 +142,10 @@ def main(argv=None):
             row[f"{part}_min_us"] = round(min(v) * 1e6, 1)
         row["caller_cpus"] = dict(cpus[m].most_common(4))
         rows.append(row)
-        print(f"  {m:13s} begin {row['begin_median_us']:5.1f}, submit {row['submit_median_us']:6.1f} us (min {row['submit_min_us']:.1f}), "
-              f"wait {row['wait_median_us']:6.1f}, total {row['total_median_us']:6.1f} (min "
-              f"{row['total_min_us']:.1f}); caller on CPUs {row['caller_cpus']}", flush=True)
+        print(f"  {m:13s} begin {row['begin_median_us']:5.1f}, submit {row['submit_median_us']:6.1f} us "
+              f"(min {row['submit_min_us']:.1f}), wait {row['wait_median_us']:6.1f}, total "
+              f"{row['total_median_us']:6.1f} (min {row['total_min_us']:.1f}); caller on CPUs "
+              f"{row['caller_cpus']}", flush=True)
     rows.append({"pieces_us": pieces(layers[0], x, masked)})
     print("  pieces of the tensor path, warm, median us:", rows[-1]["pieces_us"], flush=True)
     pool.shutdown()

@@ -358,7 +358,6 @@ def id_range(ids):
     return lo, hi
 
 
-
 # ----------------------------------------------------------------------------- activations
 
 @njit(nogil=True, cache=True, inline="always")
