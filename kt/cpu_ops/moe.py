@@ -649,7 +649,8 @@ class CPUMoE:
         """``submit`` for what a model passes in decode, with less Python than the general
         path (a masked T=1 call on the dev machine 27 vs 42 us, interleaved; on the H200 host
         2-9 us less per T=1 call, session 24): x a CPU torch tensor, bf16 or fp32
-        [T, H] with T within one job; ids int64 and weights fp32 (or bf16 tensors) [T, K];
+        [T, H] with T within one job; ids int64 (or int32 tensors) and weights fp32 (or bf16
+        tensors) [T, K];
         gpu_mask None or bool [E]; all contiguous, on the CPU, torch or numpy. The driver gets
         their addresses (no numpy views) and writes a new tensor of x's dtype. None when an
         argument is off this path: the general path then converts it, or says what is wrong."""
@@ -673,6 +674,9 @@ class CPUMoE:
         T, K = ks
         if not (0 < T <= self.max_gated_tokens and T <= (self.max_tokens or T) and K > 0):
             return None
+        # what routers and servers hand over as often as not: int32 ids, bf16 weights
+        if type(topk_ids) is tensor and topk_ids.dtype is torch.int32:
+            topk_ids = topk_ids.long()
         if type(topk_weights) is tensor and topk_weights.dtype is torch.bfloat16:
             topk_weights = topk_weights.float()
         E = self.num_experts

@@ -424,12 +424,13 @@ def test_tensor_path_gives_the_general_paths_bits(pool, monkeypatch):
             (1, torch.bfloat16, "torch", "torch", None, True),
             (3, torch.float32, "numpy", "numpy", "numpy", True),
             (5, torch.bfloat16, "torch", "bf16", "torch", True),
-            (1, torch.bfloat16, "int32", "torch", None, False),
+            (1, torch.bfloat16, "int32", "torch", None, True),
+            (2, torch.bfloat16, "np_int32", "torch", None, False),
             (2, torch.float16, "torch", "torch", None, False),
             (40, torch.bfloat16, "torch", "torch", "torch", False)]:
         x = torch.from_numpy(rng.standard_normal((T, H), dtype=np.float32)).to(xdt)
         ids, w = routing(rng, T, E, 3)
-        idt = {"torch": torch.from_numpy(ids), "numpy": ids,
+        idt = {"torch": torch.from_numpy(ids), "numpy": ids, "np_int32": ids.astype(np.int32),
                "int32": torch.from_numpy(ids).to(torch.int32)}[ids_form]
         wt = {"torch": torch.from_numpy(w), "numpy": w,
               "bf16": torch.from_numpy(w).to(torch.bfloat16)}[w_form]
