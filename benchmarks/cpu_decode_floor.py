@@ -274,8 +274,8 @@ class StampedCall:
         ext = st[CTRL_STRIDE + 1: CTRL_STRIDE + 2 * k: 2]
         us = 1e6 / tsc_hz()
         if keep:
-            self.parts.append(((ent.min() - c0) * us, (ent.max() - c0) * us, (ext.max() - ent.min()) * us,
-                           (c1 - ext.max()) * us))
+            self.parts.append(((ent.min() - c0) * us, (ent.max() - c0) * us,
+                               (ext.max() - ent.min()) * us, (c1 - ext.max()) * us))
         return dt
 
 
@@ -325,7 +325,7 @@ def run_scheme(sname, a, pool, rng, rows):
     stamped = StampedCall(pool.num_threads) if "stamped" in variants else None
     calls = {v: [] for v in variants}
     spans, walls, nbytes = [], [], []
-    names = list(variants)
+    kinds = list(variants)
     seq = a.sequence
     c = 0  # copies in turn, calls and reads alike: a copy comes back after n uses (cold again)
     for i in range(a.rounds + 3):
@@ -333,8 +333,8 @@ def run_scheme(sname, a, pool, rng, rows):
         used = sorted(set(int(e) for e in ids.ravel() if e >= 0))
         # the variants' order turns each round: none always follows the read (a job the caller
         # took part in) or the same other variant
-        r = i % len(names)
-        for v in names[r:] + names[:r]:
+        r = i % len(kinds)
+        for v in kinds[r:] + kinds[:r]:
             # with sequences, the first call (after another variant) is left out
             ts = []
             for k in range(seq):
@@ -377,9 +377,10 @@ def run_scheme(sname, a, pool, rng, rows):
                       "us_after_job_median": round(float(med[3]), 1)})
         rows.append(r)
         if v == "stamped":
-            print(f"  T=1 stamped parts (median us): call to first entry {r['us_to_first_entry_median']}, "
-                  f"to last entry {r['us_to_last_entry_median']}, first entry to last exit "
-                  f"{r['us_job_median']}, last exit to return {r['us_after_job_median']}")
+            print(f"  T=1 stamped parts (median us): call to first entry "
+                  f"{r['us_to_first_entry_median']}, to last entry {r['us_to_last_entry_median']}, "
+                  f"first entry to last exit {r['us_job_median']}, last exit to return "
+                  f"{r['us_after_job_median']}")
         print(f"  T=1 {v:9s}: call {r['call_min_ms']:.3f} / {r['call_median_ms']:.3f} ms (min / median); "
               f"floor / call {100 * r['frac_of_floor_per_round_median']:.0f} % per round (median), "
               f"{100 * r['frac_of_floor_minima']:.0f} % of minima", flush=True)
@@ -399,14 +400,16 @@ def main(argv=None):
     ap.add_argument("--x-bf16", action="store_true", help="bf16 torch input, as a model passes it")
     ap.add_argument("--variants", default="", help=f"decode GEMV variants beside the default, "
                     f"interleaved (i4*: INT4, the others INT8 / BF16): {','.join(DECODE_VARIANTS)}; "
-                    f"and 'gated': the stream-gated job from its start flag to its done flag; 'stamped': the "
-                    f"plain call with its parts timed; 'general': the plain call without the "
-                    f"tensor path")
+                    f"and 'gated': the stream-gated job from its start flag to its done flag; "
+                    f"'stamped': the plain call with its parts timed; 'general': the plain call "
+                    f"without the tensor path")
     ap.add_argument("--sequence", type=int, default=1,
                     help="calls of a variant in a row per round (on other copies), as a model's "
                          "layers come one after another; the first of each run is left out")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
+    if a.sequence < 1:
+        ap.error(f"--sequence must be at least 1, got {a.sequence}")
     pool = CpuPool(a.threads)
     rng = np.random.default_rng(0)
     rows = []
