@@ -132,7 +132,7 @@ def test_dry_run_end_to_end(tmp_path):
     args = bench_e2e.build_parser().parse_args(
         ["--dry-run", "--out", str(out), "--configs", configs, "--budget-s", "600",
          "--prefill-configs", "cpu0_int8_uniform_d0,gpu100_bf16_uniform", "--min-step-s", "0"])
-    data = bench_e2e.run(args, cpu_kernels=_kernels_for_host())
+    bench_e2e.run(args, cpu_kernels=_kernels_for_host())
     for f in (bench_e2e.JSON_NAME, bench_e2e.MD_NAME, bench_e2e.PLOT_DECODE, bench_e2e.PLOT_PREFILL):
         assert (out / f).stat().st_size > 0, f
     on_disk = json.loads((out / bench_e2e.JSON_NAME).read_text())

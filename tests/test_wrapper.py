@@ -6,7 +6,6 @@ torch = pytest.importorskip("torch")
 
 from kt import reference as ref  # noqa: E402
 from kt.cpu_ops.packing import unpack  # noqa: E402
-from kt.cpu_ops.pool import CpuPool  # noqa: E402
 from kt.testing import random_expert_weights  # noqa: E402
 from kt.wrapper import KTMoEWrapper  # noqa: E402
 
