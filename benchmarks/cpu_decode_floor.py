@@ -25,7 +25,6 @@ by tens of microseconds).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ from numba import carray, njit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _results import write_json  # noqa: E402
 from bench_gemm import _read_slice  # noqa: E402
 from bench_moe import SHAPES, routing  # noqa: E402
 from profile_moe import _layers  # noqa: E402
@@ -416,10 +416,7 @@ def main(argv=None):
     for s in a.schemes.split(","):
         run_scheme(s, a, pool, rng, rows)
     pool.shutdown()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_decode_floor.json").write_text(json.dumps({"shape": a.shape, "rows": rows}, indent=1))
-    print(f"wrote {out / 'cpu_decode_floor.json'}")
+    print(f"wrote {write_json(a.out, 'cpu_decode_floor.json', {'shape': a.shape, 'rows': rows})}")
 
 
 if __name__ == "__main__":

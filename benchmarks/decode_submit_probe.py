@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _results import write_json  # noqa: E402
 from bench_moe import SHAPES, routing  # noqa: E402
 from profile_moe import _layers  # noqa: E402
 from kt.config import QuantScheme  # noqa: E402
@@ -149,9 +149,7 @@ def main(argv=None):
     rows.append({"pieces_us": pieces(layers[0], x, masked)})
     print("  pieces of the tensor path, warm, median us:", rows[-1]["pieces_us"], flush=True)
     pool.shutdown()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_submit_probe.json").write_text(json.dumps({"rows": rows}, indent=1))
+    write_json(a.out, "decode_submit_probe.json", {"rows": rows})
 
 
 if __name__ == "__main__":

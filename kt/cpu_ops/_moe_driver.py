@@ -286,6 +286,15 @@ def _put_slot(desc, slot, a):
 
 
 @njit(cache=True)
+def _put_at(desc, slot, addr, n0, n1):
+    """Array slot ``slot`` of desc from an address and up to two dims (n1 unused for 1-D)."""
+    o = slot * SLOT
+    desc[o] = addr
+    desc[o + 1] = n0
+    desc[o + 2] = n1
+
+
+@njit(cache=True)
 def _put_words(desc, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13, bpt2, levels, prof, gate,
                done, result, pipe, tail, tailp, watch):
     desc[S_T] = T
@@ -328,16 +337,11 @@ def put_call_at(desc, x, out, ids, tw, mask, H, K, E, T, C, nch, incr, x_bf16, o
     """put_call for arrays given by their addresses (x, out [T, H], ids, tw [T, K], mask [E]: a
     caller's torch tensors, with no numpy views made for them); returns id_range of the ids (the
     caller checks it before it publishes the job)."""
-    o = A_X * SLOT
-    desc[o], desc[o + 1], desc[o + 2] = x, T, H
-    o = A_OUT * SLOT
-    desc[o], desc[o + 1], desc[o + 2] = out, T, H
-    o = A_IDS * SLOT
-    desc[o], desc[o + 1], desc[o + 2] = ids, T, K
-    o = A_TW * SLOT
-    desc[o], desc[o + 1], desc[o + 2] = tw, T, K
-    o = A_MASK * SLOT
-    desc[o], desc[o + 1] = mask, E
+    _put_at(desc, A_X, x, T, H)
+    _put_at(desc, A_OUT, out, T, H)
+    _put_at(desc, A_IDS, ids, T, K)
+    _put_at(desc, A_TW, tw, T, K)
+    _put_at(desc, A_MASK, mask, E, 0)
     _put_words(desc, T, C, nch, incr, x_bf16, o_bf16, gemv_max, bpt13, bpt2, levels, prof, gate,
                done, result, pipe, tail, tailp, watch)
     return id_range(carray(_ptr(ids, np.int64), (T, K)))

@@ -648,9 +648,8 @@ class CPUMoE:
     def _submit_tensors(self, x, topk_ids, topk_weights, gpu_mask):
         """``submit`` for what a model passes in decode, with less Python than the general
         path (a masked T=1 call on the dev machine 27 vs 42 us, interleaved; on the H200 host
-        2-9 us less per T=1 call, session 24): x a CPU torch tensor, bf16 or fp32
-        [T, H] with T within one job; ids int64 (or int32 tensors) and weights fp32 (or bf16
-        tensors) [T, K];
+        2-9 us less per T=1 call, session 24): x a CPU torch tensor, bf16 or fp32 [T, H] with T
+        within one job; ids int64 (or int32 tensors) and weights fp32 (or bf16 tensors) [T, K];
         gpu_mask None or bool [E]; all contiguous, on the CPU, torch or numpy. The driver gets
         their addresses (no numpy views) and writes a new tensor of x's dtype. None when an
         argument is off this path: the general path then converts it, or says what is wrong."""
@@ -840,6 +839,8 @@ def new_profile(nthreads: int) -> np.ndarray:
 def profile_cycles(prof: np.ndarray) -> np.ndarray:
     """[threads, PHASES, 2] (busy, waiting) time-stamp-counter ticks of a ``new_profile`` array."""
     return prof[:, : drv.PHASES * 2].reshape(prof.shape[0], drv.PHASES, 2)
+
+
 _TSC_HZ: list[float] = []
 
 
