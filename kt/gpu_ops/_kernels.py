@@ -52,47 +52,30 @@ def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, w_desc, g_row, I, row_mask, col_mask, H, stride_xh, stride_wh,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TMA_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr, SWAP: tl.constexpr = False):
+                 TMA_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr):
     """Gate and up accumulators [ROWS, BLOCK_N] of the gathered activation rows (a_ptrs, rows where
     row_mask) against the weight tiles (g_ptrs / u_ptrs: [BLOCK_K, BLOCK_N], columns where
     col_mask), over all of H. TMA_W: the weight tiles come from w_desc instead, a TMA descriptor of
     w13 seen as [S*2I, H] with [BLOCK_N, BLOCK_K] boxes, gate rows from g_row and up rows I further:
     rows past this expert's gate (or up) rows only feed columns that are never stored, and columns
-    past H read as zeros. SWAP: the products formed transposed, weight tile @ rows^T (a_ptrs
-    [BLOCK_K, ROWS], g_ptrs / u_ptrs [BLOCK_N, BLOCK_K]), so that a few rows need not fill the
-    product's M side: the accumulators are [BLOCK_N, ROWS]."""
+    past H read as zeros."""
     offs_k = tl.arange(0, BLOCK_K)
-    if SWAP:
-        acc_g = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-    else:
-        acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(H, BLOCK_K)):
         k_mask = offs_k < H - kb * BLOCK_K
-        if SWAP:
-            a = _cast(tl.load(a_ptrs, mask=k_mask[:, None] & row_mask[None, :], other=0.0), CT, UPCAST)
-            if TMA_W:
-                bg = w_desc.load([g_row, kb * BLOCK_K])
-                bu = w_desc.load([g_row + I, kb * BLOCK_K])
-            else:
-                bg = tl.load(g_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            acc_g = tl.dot(_cast(bg, CT, UPCAST), a, acc_g)
-            acc_u = tl.dot(_cast(bu, CT, UPCAST), a, acc_u)
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _cast(a, CT, UPCAST)
+        if TMA_W:
+            bg = w_desc.load([g_row, kb * BLOCK_K])
+            bu = w_desc.load([g_row + I, kb * BLOCK_K])
+            acc_g = tl.dot(a, tl.trans(_cast(bg, CT, UPCAST)), acc_g)
+            acc_u = tl.dot(a, tl.trans(_cast(bu, CT, UPCAST)), acc_u)
         else:
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            a = _cast(a, CT, UPCAST)
-            if TMA_W:
-                bg = w_desc.load([g_row, kb * BLOCK_K])
-                bu = w_desc.load([g_row + I, kb * BLOCK_K])
-                acc_g = tl.dot(a, tl.trans(_cast(bg, CT, UPCAST)), acc_g)
-                acc_u = tl.dot(a, tl.trans(_cast(bu, CT, UPCAST)), acc_u)
-            else:
-                bg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                acc_g = tl.dot(a, _cast(bg, CT, UPCAST), acc_g)
-                acc_u = tl.dot(a, _cast(bu, CT, UPCAST), acc_u)
+            bg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc_g = tl.dot(a, _cast(bg, CT, UPCAST), acc_g)
+            acc_u = tl.dot(a, _cast(bu, CT, UPCAST), acc_u)
         a_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
@@ -248,7 +231,7 @@ def gate_up_kernel(
     stride_hm, stride_hi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
-    UPCAST: tl.constexpr, A8: tl.constexpr, SORTED_H: tl.constexpr, SWAP: tl.constexpr = False,
+    UPCAST: tl.constexpr, A8: tl.constexpr, SORTED_H: tl.constexpr,
 ):
     """h[n, :] = silu(gate_s x_t) * (up_s x_t) for every token-slot n = t*K + k routed to slot s.
 
@@ -259,8 +242,7 @@ def gate_up_kernel(
     A8 (int8 weights only): x is act_quant2_kernel's q [2, T, H] int8 (levels stride_xl apart) with
     xs [T, 2] fp32, and the products run on int8 tensor cores (_gate_up_acc_a8); xs is not read
     otherwise. SORTED_H: h [P, I] in the sorted order instead (row r = sorted position r, padding rows
-    left unwritten), so the down GEMM reads whole row blocks (down_kernel's SORTED_H). SWAP: the
-    products formed transposed (_gate_up_acc; not with A8).
+    left unwritten), so the down GEMM reads whole row blocks (down_kernel's SORTED_H).
     """
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(I, BLOCK_N)
@@ -272,37 +254,26 @@ def gate_up_kernel(
         n_mask = offs_n < I
         offs_k = tl.arange(0, BLOCK_K)
 
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+        g_ptrs = w13_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
         g_row = (slot * 2 * I + pid_n * BLOCK_N).to(tl.int32)  # TMA_W: in the [S*2I, H] view
-        h_row = offs_m.to(tl.int64) if SORTED_H else tl.where(m_mask, tok_slot, 0).to(tl.int64)
-        if SWAP:  # transposed products (not with A8: fused_moe refuses the pair)
-            a_ptrs = x_ptr + tok[None, :] * stride_xt + offs_k[:, None] * stride_xh
-            g_ptrs = w13_ptr + slot * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wh
+        if A8:
+            g1, g2, u1, u2 = _gate_up_acc_a8(a_ptrs, stride_xl, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I,
+                                             m_mask, n_mask, H, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K,
+                                             TMA_W)
+            xs1 = tl.load(xs_ptr + 2 * tok, mask=m_mask, other=0.0)[:, None]
+            xs2 = tl.load(xs_ptr + 2 * tok + 1, mask=m_mask, other=0.0)[:, None]
+            acc_g = g1.to(tl.float32) * xs1 + g2.to(tl.float32) * xs2
+            acc_u = u1.to(tl.float32) * xs1 + u2.to(tl.float32) * xs2
+        else:
             acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I, m_mask,
                                         n_mask, H, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, CT,
-                                        UPCAST, True)
-            h = _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n[:, None], n_mask[:, None], I, stride_se, stride_sn,
-                         INT8_W)
-            tl.store(h_ptr + h_row[None, :] * stride_hm + offs_n[:, None] * stride_hi,
-                     h.to(h_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
-        else:
-            a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-            g_ptrs = w13_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
-            if A8:
-                g1, g2, u1, u2 = _gate_up_acc_a8(a_ptrs, stride_xl, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row,
-                                                 I, m_mask, n_mask, H, stride_xh, stride_wh, BLOCK_M, BLOCK_N,
-                                                 BLOCK_K, TMA_W)
-                xs1 = tl.load(xs_ptr + 2 * tok, mask=m_mask, other=0.0)[:, None]
-                xs2 = tl.load(xs_ptr + 2 * tok + 1, mask=m_mask, other=0.0)[:, None]
-                acc_g = g1.to(tl.float32) * xs1 + g2.to(tl.float32) * xs2
-                acc_u = u1.to(tl.float32) * xs1 + u2.to(tl.float32) * xs2
-            else:
-                acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I, m_mask,
-                                            n_mask, H, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, CT,
-                                            UPCAST)
-            h = _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n[None, :], n_mask[None, :], I, stride_se, stride_sn,
-                         INT8_W)
-            h_ptrs = h_ptr + h_row[:, None] * stride_hm + offs_n[None, :] * stride_hi
-            tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+                                        UPCAST)
+        h = _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n[None, :], n_mask[None, :], I, stride_se, stride_sn,
+                     INT8_W)
+        h_row = offs_m.to(tl.int64) if SORTED_H else tl.where(m_mask, tok_slot, 0).to(tl.int64)
+        h_ptrs = h_ptr + h_row[:, None] * stride_hm + offs_n[None, :] * stride_hi
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -316,7 +287,7 @@ def down_kernel(
     stride_ym, stride_yh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
-    UPCAST: tl.constexpr, SORTED_H: tl.constexpr, TMA_H: tl.constexpr, SWAP: tl.constexpr = False,
+    UPCAST: tl.constexpr, SORTED_H: tl.constexpr, TMA_H: tl.constexpr,
 ):
     """y[n, :] = topk_w[n] * (w2_s @ h[n, :]) summed in fp32, stored in y's dtype (fp32, or bf16
     for a bf16 output), for every token-slot n routed to slot s.
@@ -329,7 +300,6 @@ def down_kernel(
     SORTED_H: h is [P, I] in the sorted order (gate_up_kernel's SORTED_H): a tile's rows are one
     contiguous block, read through h_desc (TMA_H: a TMA descriptor of h, [BLOCK_M, BLOCK_K] boxes) or
     pointers. H200, qwen3 int8 T=4096: 98.4 -> 88.2 us with TMA_H (benchmarks/gpu_sorted_a_probe.py).
-    SWAP: the products formed transposed (weight tile @ h rows^T, as _gate_up_acc's).
     """
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(H, BLOCK_N)
@@ -342,33 +312,18 @@ def down_kernel(
         offs_k = tl.arange(0, BLOCK_K)
 
         h_row = offs_m.to(tl.int64) if SORTED_H else row
+        a_ptrs = h_ptr + h_row[:, None] * stride_hm + offs_k[None, :] * stride_hi
+        b_ptrs = w2_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wi
         w_row = (slot * H + pid_n * BLOCK_N).to(tl.int32)  # TMA_W: in the [S*H, I] view
-        if SWAP:  # acc [BLOCK_N, BLOCK_M] = weight tile @ h rows^T
-            a_ptrs = h_ptr + h_row[None, :] * stride_hm + offs_k[:, None] * stride_hi
-            b_ptrs = w2_ptr + slot * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wi
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            a_ptrs = h_ptr + h_row[:, None] * stride_hm + offs_k[None, :] * stride_hi
-            b_ptrs = w2_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wi
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(I, BLOCK_K)):
             k_mask = offs_k < I - kb * BLOCK_K
             if TMA_H:  # (padding rows: whatever h holds there; their outputs are not stored)
                 a = h_desc.load([(pid_m * BLOCK_M).to(tl.int32), kb * BLOCK_K])
-                if SWAP:
-                    a = tl.trans(a)
-            elif SWAP:
-                a = tl.load(a_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             a = _cast(a, CT, UPCAST)
-            if SWAP:
-                if TMA_W:
-                    b = w_desc.load([w_row, kb * BLOCK_K])
-                else:
-                    b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                acc = tl.dot(_cast(b, CT, UPCAST), a, acc)
-            elif TMA_W:
+            if TMA_W:
                 b = w_desc.load([w_row, kb * BLOCK_K])
                 acc = tl.dot(a, tl.trans(_cast(b, CT, UPCAST)), acc)
             else:
@@ -376,17 +331,13 @@ def down_kernel(
                 acc = tl.dot(a, _cast(b, CT, UPCAST), acc)
             a_ptrs += BLOCK_K * stride_hi
             b_ptrs += BLOCK_K * stride_wi
+        if INT8_W:
+            s = tl.load(s2_ptr + slot * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)
+            acc = acc * s[None, :]
         rw = tl.load(topk_w_ptr + row, mask=m_mask, other=0.0)
-        if SWAP:
-            if INT8_W:
-                acc = acc * tl.load(s2_ptr + slot * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)[:, None]
-            tl.store(y_ptr + row[None, :] * stride_ym + offs_n[:, None] * stride_yh,
-                     (acc * rw[None, :]).to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
-        else:
-            if INT8_W:
-                acc = acc * tl.load(s2_ptr + slot * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
-            tl.store(y_ptr + row[:, None] * stride_ym + offs_n[None, :] * stride_yh,
-                     (acc * rw[:, None]).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc = acc * rw[:, None]
+        y_ptrs = y_ptr + row[:, None] * stride_ym + offs_n[None, :] * stride_yh
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -741,218 +692,3 @@ def down_tokens_kernel(
             part = part * tl.load(s2_ptr + s64 * stride_se + offs_n * stride_sn, mask=on_n, other=0.0)
         acc += tl.where(on_n, part * rw, 0.0)
     tl.store(out_ptr + t * stride_ot + offs_n * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-# ----------------------------------------------------------------------------- gather path (few tokens)
-# The sorted path's alignment and combine are launches of their own, about 10 us of a qwen3 T=64 step
-# of ~67 on the H200 (most of it fixed cost: an empty launch replays in 2.9 us). The gather path has
-# neither: one gate+up program per (slot, column block) finds its slot's token-slots itself (a scan
-# of all N ids, ranked by a running sum and compacted BLOCK_M at a time by a one-hot reduction), and
-# the slot's first column-block program writes them out (lst [S, N], cnt [S]) for the down GEMM, one
-# program per (slot, column block) too. Each down program then counts itself done for its column
-# block (one atomic per program, after its stores); the last one sums that column block of out for
-# every token in k order, so the result does not depend on which program comes last. The gate+up
-# zeroes those counters (it runs wholly before the down on the stream), so no buffer needs a memset
-# and a CUDA graph replays the path as it is.
-
-@triton.jit
-def _slot_rows(ids_ptr, e2s_ptr, slot, r0, N, E, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """(token-slots [BLOCK_M] int32, which of them exist, how many token-slots the slot has): the
-    token-slots of ranks r0 .. r0 + BLOCK_M - 1 among those routed to ``slot``, in token-slot order
-    (an id outside [0, E) is routed nowhere; slot is in [0, S), so e2s values outside it match no
-    program)."""
-    ranks = r0 + tl.arange(0, BLOCK_M)
-    rows = tl.zeros((BLOCK_M,), tl.int32)
-    found = tl.zeros((BLOCK_M,), tl.int32)
-    count = slot * 0
-    for c0 in range(0, N, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        m = offs < N
-        e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-        ok = m & (e >= 0) & (e < E)
-        s = tl.load(e2s_ptr + tl.where(ok, e, 0), mask=ok, other=-1)
-        mine = (ok & (s == slot)).to(tl.int32)
-        rank = count + tl.cumsum(mine, 0) - 1
-        hit = (mine[None, :] > 0) & (rank[None, :] == ranks[:, None])
-        rows += tl.sum(tl.where(hit, offs[None, :], 0), 1)
-        found += tl.sum(hit.to(tl.int32), 1)
-        count += tl.sum(mine, 0)
-    return rows, found > 0, count
-
-
-@triton.jit
-def _gate_up_rows(x_ptr, w13_ptr, w_desc, s13_ptr, h_ptr, rows, valid, slot64, pid_n, H, I, top_k,
-                  stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_se, stride_sn,
-                  stride_hm, stride_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, TMA_W: tl.constexpr, INT8_W: tl.constexpr, CT: tl.constexpr,
-                  UPCAST: tl.constexpr, SWAP: tl.constexpr):
-    """h[rows] (token-slots, where valid) = silu(gate x) * up x over BLOCK_N columns, slot64's weights
-    (SWAP: the products formed transposed, _gate_up_acc)."""
-    tok = tl.where(valid, rows // top_k, 0).to(tl.int64)
-    hrow = tl.where(valid, rows, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    g_row = (slot64 * 2 * I + pid_n * BLOCK_N).to(tl.int32)  # TMA_W: in the [S*2I, H] view
-    if SWAP:
-        a_ptrs = x_ptr + tok[None, :] * stride_xt + offs_k[:, None] * stride_xh
-        g_ptrs = w13_ptr + slot64 * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wh
-        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I, valid, n_mask, H,
-                                    stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, CT, UPCAST, True)
-        h = _silu_up(acc_g, acc_u, s13_ptr, slot64, offs_n[:, None], n_mask[:, None], I, stride_se, stride_sn,
-                     INT8_W)
-        tl.store(h_ptr + hrow[None, :] * stride_hm + offs_n[:, None] * stride_hi, h.to(h_ptr.dtype.element_ty),
-                 mask=n_mask[:, None] & valid[None, :])
-    else:
-        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-        g_ptrs = w13_ptr + slot64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
-        acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I, valid, n_mask, H,
-                                    stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, CT, UPCAST)
-        h = _silu_up(acc_g, acc_u, s13_ptr, slot64, offs_n[None, :], n_mask[None, :], I, stride_se, stride_sn,
-                     INT8_W)
-        tl.store(h_ptr + hrow[:, None] * stride_hm + offs_n[None, :] * stride_hi, h.to(h_ptr.dtype.element_ty),
-                 mask=valid[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def gate_up_gather_kernel(
-    x_ptr, w13_ptr, w_desc, s13_ptr, h_ptr, ids_ptr, e2s_ptr, lst_ptr, cnt_ptr, done_ptr,
-    N, E, H, I, top_k, n_done,
-    stride_xt, stride_xh,
-    stride_we, stride_wn, stride_wh,
-    stride_se, stride_sn,
-    stride_hm, stride_hi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-    DONE_P2: tl.constexpr, TMA_W: tl.constexpr, INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
-    ONE_BODY: tl.constexpr, SWAP: tl.constexpr,
-):
-    """Gather path, gate+up: h[n, cols] for the token-slots n of slot program_id(0), BLOCK_N columns
-    picked by program_id(1), as gate_up_kernel (h [N, I] by token-slot). Program (s, 0) also writes
-    lst[s, :cnt[s]] = the slot's token-slots and cnt[s]; program (0, 0) zeroes done[:n_done] for
-    down_gather_kernel. ids [N] int; e2s [E] int32; lst [S*N], cnt [S], done [n_done] int32. CHUNK: ids
-    scanned per step (a power of two). ONE_BODY: the row blocks in one loop (the first block's rows
-    scanned twice) instead of the first block apart (the GEMM inlined twice). SWAP: the products
-    formed transposed (_gate_up_acc)."""
-    slot = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot64 = slot.to(tl.int64)
-    if (slot == 0) & (pid_n == 0):
-        d = tl.arange(0, DONE_P2)
-        tl.store(done_ptr + d, tl.zeros((DONE_P2,), tl.int32), mask=d < n_done)
-    rows, valid, count = _slot_rows(ids_ptr, e2s_ptr, slot, 0, N, E, BLOCK_M, CHUNK)
-    if pid_n == 0:
-        tl.store(cnt_ptr + slot, count)
-        if not ONE_BODY:
-            tl.store(lst_ptr + slot64 * N + tl.arange(0, BLOCK_M), rows, mask=valid)
-    if ONE_BODY:  # one loop over the row blocks (the first one's scan made again)
-        for r0 in range(0, count, BLOCK_M):
-            rows, valid, _ = _slot_rows(ids_ptr, e2s_ptr, slot, r0, N, E, BLOCK_M, CHUNK)
-            if pid_n == 0:
-                tl.store(lst_ptr + slot64 * N + r0 + tl.arange(0, BLOCK_M), rows, mask=valid)
-            _gate_up_rows(x_ptr, w13_ptr, w_desc, s13_ptr, h_ptr, rows, valid, slot64, pid_n, H, I, top_k,
-                          stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_se, stride_sn,
-                          stride_hm, stride_hi, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, INT8_W, CT, UPCAST, SWAP)
-    else:
-        if count > 0:
-            _gate_up_rows(x_ptr, w13_ptr, w_desc, s13_ptr, h_ptr, rows, valid, slot64, pid_n, H, I, top_k,
-                          stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_se, stride_sn,
-                          stride_hm, stride_hi, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, INT8_W, CT, UPCAST, SWAP)
-        for r0 in range(BLOCK_M, count, BLOCK_M):  # a slot with more token-slots than one row block
-            rows, valid, _ = _slot_rows(ids_ptr, e2s_ptr, slot, r0, N, E, BLOCK_M, CHUNK)
-            if pid_n == 0:
-                tl.store(lst_ptr + slot64 * N + r0 + tl.arange(0, BLOCK_M), rows, mask=valid)
-            _gate_up_rows(x_ptr, w13_ptr, w_desc, s13_ptr, h_ptr, rows, valid, slot64, pid_n, H, I, top_k,
-                          stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_se, stride_sn,
-                          stride_hm, stride_hi, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, INT8_W, CT, UPCAST, SWAP)
-
-
-@triton.jit
-def down_gather_kernel(
-    h_ptr, w2_ptr, w_desc, s2_ptr, y_ptr, out_ptr, topk_w_ptr, ids_ptr, e2s_ptr, lst_ptr, cnt_ptr, done_ptr,
-    N, T, E, S, H, I,
-    stride_hm, stride_hi,
-    stride_we, stride_wn, stride_wi,
-    stride_se, stride_sn,
-    stride_ym, stride_yh, stride_ot, stride_oh,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COMB_T: tl.constexpr, TMA_W: tl.constexpr, INT8_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr,
-    SWAP: tl.constexpr,
-):
-    """Gather path, down and combine: y[n, cols] = topk_w[n] * (w2_s @ h[n])[cols] for the token-slots
-    n of slot s = program_id(0) (lst / cnt of gate_up_gather_kernel), BLOCK_N columns picked by
-    program_id(1), fp32 sums stored in y's dtype; then the column block's last program to finish
-    writes out[t, cols] = sum over k (in order) of y[t*K + k, cols] over the token-slots on the GPU,
-    for every token (zeros for a token with none), COMB_T tokens at a time.
-    h [N, I]; w2 [S, H, I]; s2 [S, H] fp32 (INT8_W only); topk_w [N] fp32; y [N, H]; out [T, H];
-    done [cdiv(H, BLOCK_N)] int32, zero on entry (gate_up_gather_kernel). TMA_W as down_kernel's; SWAP:
-    the products formed transposed (weight tile @ h rows^T, as _gate_up_acc's)."""
-    slot = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot64 = slot.to(tl.int64)
-    count = tl.load(cnt_ptr + slot)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
-    w_row = (slot64 * H + pid_n * BLOCK_N).to(tl.int32)  # TMA_W: in the [S*H, I] view
-    for r0 in range(0, count, BLOCK_M):
-        r = r0 + tl.arange(0, BLOCK_M)
-        m_mask = r < count
-        row = tl.load(lst_ptr + slot64 * N + r, mask=m_mask, other=0).to(tl.int64)
-        if SWAP:  # acc [BLOCK_N, BLOCK_M] = weight tile @ h rows^T
-            a_ptrs = h_ptr + row[None, :] * stride_hm + offs_k[:, None] * stride_hi
-            b_ptrs = w2_ptr + slot64 * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wi
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            a_ptrs = h_ptr + row[:, None] * stride_hm + offs_k[None, :] * stride_hi
-            b_ptrs = w2_ptr + slot64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wi
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(I, BLOCK_K)):
-            k_mask = offs_k < I - kb * BLOCK_K
-            if SWAP:
-                a = _cast(tl.load(a_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0), CT, UPCAST)
-                if TMA_W:
-                    b = w_desc.load([w_row, kb * BLOCK_K])
-                else:
-                    b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                acc = tl.dot(_cast(b, CT, UPCAST), a, acc)
-            else:
-                a = _cast(tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0), CT, UPCAST)
-                if TMA_W:
-                    b = w_desc.load([w_row, kb * BLOCK_K])
-                    acc = tl.dot(a, tl.trans(_cast(b, CT, UPCAST)), acc)
-                else:
-                    b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                    acc = tl.dot(a, _cast(b, CT, UPCAST), acc)
-            a_ptrs += BLOCK_K * stride_hi
-            b_ptrs += BLOCK_K * stride_wi
-        rw = tl.load(topk_w_ptr + row, mask=m_mask, other=0.0)
-        if SWAP:
-            if INT8_W:
-                acc = acc * tl.load(s2_ptr + slot64 * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)[:, None]
-            tl.store(y_ptr + row[None, :] * stride_ym + offs_n[:, None] * stride_yh,
-                     (acc * rw[None, :]).to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
-        else:
-            if INT8_W:
-                acc = acc * tl.load(s2_ptr + slot64 * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
-            tl.store(y_ptr + row[:, None] * stride_ym + offs_n[None, :] * stride_yh,
-                     (acc * rw[:, None]).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-    # every thread's stores above, then one release (acq_rel atomic) for the block; the last program
-    # reads the others' rows through L2 (.cg), past this SM's L1
-    tl.debug_barrier()
-    if tl.atomic_add(done_ptr + pid_n, 1) == S - 1:
-        for t0 in range(0, T, COMB_T):
-            t = t0 + tl.arange(0, COMB_T)
-            t_ok = t < T
-            t64 = tl.where(t_ok, t, 0).to(tl.int64)
-            acc = tl.zeros((COMB_T, BLOCK_N), dtype=tl.float32)
-            for k in tl.static_range(TOP_K):
-                n = t64 * TOP_K + k
-                e = tl.load(ids_ptr + n, mask=t_ok, other=-1).to(tl.int32)
-                ok = t_ok & (e >= 0) & (e < E)
-                s = tl.load(e2s_ptr + tl.where(ok, e, 0), mask=ok, other=-1)
-                on = ok & (s >= 0) & (s < S)
-                v = tl.load(y_ptr + n[:, None] * stride_ym + offs_n[None, :] * stride_yh,
-                            mask=on[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg")
-                acc += v.to(tl.float32)
-            tl.store(out_ptr + t64[:, None] * stride_ot + offs_n[None, :] * stride_oh,
-                     acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & n_mask[None, :])

@@ -80,15 +80,6 @@ class MoEConfig:
     and runs on the int8 tensor cores, exact int32 sums, instead of converting every int8 weight
     tile to the compute dtype in the loop. Two int8 products cost what one bf16 product does, and
     the weight tiles go straight from memory to the tensor cores.
-
-    gather: no alignment and no combine launch (fused_moe's gather path, for a few tokens per slot):
-    a gate+up program per (slot, block_n columns) finds its slot's token-slots by scanning the ids,
-    block_m at a time; a down program per (slot, down_block_n columns), the last of each column
-    block summing the tokens' outputs. group_m, flatten and a8 do not apply to it.
-
-    swap / down_swap: form the gate+up (down) products transposed, weight tile @ rows^T, so that the
-    weight tile is the product's M side: a few rows per slot then need not fill a 64-row M, and
-    converted int8 weights can feed the tensor cores from registers. Not with a8.
     """
 
     block_m: int = 64
@@ -106,15 +97,12 @@ class MoEConfig:
     flatten: bool = False
     down_flatten: bool | None = None
     a8: bool = False
-    down_block_m: int | None = None  # (configs are also built positionally: new fields go last)
-    gather: bool = False
-    swap: bool = False
-    down_swap: bool | None = None
+    down_block_m: int | None = None  # last: configs are also built positionally
 
     def __post_init__(self):
-        for f in ("tma", "flatten", "down_flatten", "a8", "gather", "swap", "down_swap"):
+        for f in ("tma", "flatten", "down_flatten", "a8"):
             v = getattr(self, f)
-            if not (isinstance(v, bool) or (v is None and f in ("down_flatten", "down_swap"))):
+            if not (isinstance(v, bool) or (v is None and f == "down_flatten")):
                 raise ValueError(f"MoEConfig.{f} must be a bool, got {v!r}")
         _check_pow2("MoEConfig", self, ("block_m", "block_n", "block_k"), 16)
         _check_pow2("MoEConfig", self, [f for f in ("down_block_m", "down_block_n", "down_block_k")
@@ -124,10 +112,6 @@ class MoEConfig:
             if (v is not None or f == "group_m") and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"MoEConfig.{f} must be a positive int, got {v!r}")
         _check_launch("MoEConfig", self.num_warps, self.num_stages)
-        if self.gather and self.a8:
-            raise ValueError("MoEConfig.gather does not take a8 (two-level int8 activations): set one of them")
-        if self.swap and self.a8:
-            raise ValueError("MoEConfig.swap (transposed gate+up products) does not take a8: set one of them")
         if self.down_num_warps is not None or self.down_num_stages is not None:
             _check_launch("MoEConfig", self.num_warps if self.down_num_warps is None else self.down_num_warps,
                           self.num_stages if self.down_num_stages is None else self.down_num_stages,
@@ -141,7 +125,7 @@ class MoEConfig:
     def for_down(self) -> "MoEConfig":
         """The config the down kernel runs with (down_* fields applied)."""
         own = {}
-        for f in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "flatten", "swap"):
+        for f in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "flatten"):
             v = getattr(self, "down_" + f)
             own[f] = getattr(self, f) if v is None else v
         return MoEConfig(tma=self.tma, **own)
@@ -151,8 +135,7 @@ class MoEConfig:
         return cls(**_known_fields(cls, d))
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items()
-                if v is not None and not (k in ("a8", "gather", "swap") and not v)}
+        return {k: v for k, v in asdict(self).items() if v is not None and not (k == "a8" and not v)}
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,7 @@ Two paths, chosen by the config (default: `pick_config`):
   decode-sized N), for any T;
 - direct (`DirectConfig`, the default for N <= DIRECT_MAX_N or T <= DIRECT_MAX_T): gate+up programs
   that find their slot's token-slots themselves, then a down GEMV per token that sums its experts:
-  two launches, no sort and no fp32 [N, H] round trip, which at decode sizes were most of the time;
-- gather (`MoEConfig(gather=True)`, where the tuned table says so): the sorted path's two GEMMs
-  without its alignment and combine launches: each gate+up program scans the ids for its slot's
-  token-slots, and the last down program of each column block sums the tokens' rows (two launches).
+  two launches, no sort and no fp32 [N, H] round trip, which at decode sizes were most of the time.
 
 Everything runs on the caller's current stream with no host synchronisation (no .item(), no .cpu(),
 no data-dependent shapes), so a call can be captured in a CUDA graph. Under TRITON_INTERPRET=1 the
@@ -26,8 +23,7 @@ import torch
 from .configs import DirectConfig, MoEConfig, pick_config, table_for_device
 
 __all__ = ["fused_moe", "align_by_slot", "gate_up", "down", "combine", "direct_gate_up", "direct_down",
-           "gather_moe", "gather_gate_up", "gather_down", "act_quant2", "y_dtype_for", "sorted_h_for",
-           "kernels_interpreted"]
+           "act_quant2", "y_dtype_for", "sorted_h_for", "kernels_interpreted"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -55,10 +51,6 @@ _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loop
 # h between the GEMMs in sorted order (row blocks read by TMA) when the down's weights come by TMA;
 # else by token-slot (gathered rows). None: by the config; tests force either (_forced_sorted_h).
 _SORTED_H = None
-# gather path: the gate+up's row blocks in one loop (True) or the first apart (probes switch it)
-_GATHER_ONE_BODY = False
-# gather path: elements of out per step of the combine (COMB_T tokens x the down's column block)
-_GATHER_COMB_ELEMS = 4096
 
 
 def _kernels():
@@ -298,10 +290,6 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         direct_down(hbuf, w2, w2_scale, topk_weights, ids, e2s, out, config)
         return out
 
-    if config.gather:
-        gather_moe(x, w13, w13_scale, w2, w2_scale, topk_ids.contiguous(), topk_weights, expert_to_slot, out,
-                   config, cdt)
-        return out
     align = config.align_m
     slot32, sorted_ids, block_slot, num_padded = align_by_slot(topk_ids.contiguous(), expert_to_slot, s, align)
     programs = _INTERPRETER_PROGRAMS if interp else _PROGRAMS_PER_SM * _num_sms(_dev_index(x.device))
@@ -420,7 +408,7 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
         *s13_strides, hbuf.stride(0), hbuf.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype],
-        UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, SWAP=config.swap, num_warps=config.num_warps,
+        UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return hbuf
 
@@ -468,7 +456,7 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
         *s2_strides, y.stride(0), y.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype],
-        UPCAST=kernels_interpreted(), SORTED_H=sorted_h, TMA_H=tma_h, SWAP=config.swap, num_warps=config.num_warps,
+        UPCAST=kernels_interpreted(), SORTED_H=sorted_h, TMA_H=tma_h, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return y
 
@@ -549,70 +537,4 @@ def direct_down(hbuf, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
         *s2_strides, out.stride(0), out.stride(1),
         TOP_K=top_k, KP=_np2k(top_k), BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
         STAGES=config.down_num_stages, INT8_W=int8w, UPCAST=kernels_interpreted(), num_warps=config.down_num_warps)
-    return out
-
-
-def gather_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, expert_to_slot, out, config,
-               compute_dtype):
-    """The gather path (``MoEConfig.gather``) into out [T, H]: two launches, no alignment, no combine
-    launch (see the gather section of _kernels.py). topk_ids [T, K] contiguous; the config's block_m /
-    down_block_m rows per step, its column blocks, warps and stages; tma as the sorted path's."""
-    e2s = expert_to_slot.to(torch.int32)
-    hbuf, lists = gather_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype)
-    return gather_down(hbuf, lists, w2, w2_scale, topk_weights, topk_ids, e2s, out, config.for_down())
-
-
-def gather_gate_up(x, w13, w13_scale, topk_ids, e2s, config, compute_dtype):
-    """Gather path, gate+up: (h [N, I] by token-slot, (lst, cnt, done) for ``gather_down``).
-    e2s [E] int32; config: the MoEConfig (its down_block_n sizes the done counters)."""
-    kern = _kernels()
-    t, top_k = topk_ids.shape
-    n = t * top_k
-    s, two_i, hid = w13.shape
-    inter = two_i // 2
-    int8w = w13.dtype == torch.int8
-    n_done = -(-hid // config.for_down().block_n)
-    scratch = torch.empty(s * n + s + n_done, dtype=torch.int32, device=x.device)  # lst [S, N], cnt [S], done
-    lists = (scratch[:s * n], scratch[s * n:s * n + s], scratch[s * n + s:])
-    xc = x.contiguous()
-    hbuf = torch.empty((n, inter), dtype=compute_dtype, device=x.device)
-    s13 = w13_scale if int8w else w13  # any tensor: not read when INT8_W is off
-    s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
-    wd, tma = _weight_desc(w13, config)
-    # ids scanned per step: the one-hot [block_m, chunk] of a step kept to about 4096 elements
-    chunk = max(16, min(_np2(n), 4096 // config.block_m))
-    kern.gate_up_gather_kernel[(s, -(-inter // config.block_n))](
-        xc, w13, wd, s13, hbuf, topk_ids, e2s, *lists,
-        n, e2s.numel(), hid, inter, top_k, n_done,
-        xc.stride(0), xc.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        *s13_strides, hbuf.stride(0), hbuf.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, CHUNK=chunk,
-        DONE_P2=_np2(n_done), TMA_W=tma, INT8_W=int8w, CT=_CT[compute_dtype], UPCAST=kernels_interpreted(),
-        ONE_BODY=_GATHER_ONE_BODY, SWAP=config.swap, num_warps=config.num_warps, num_stages=config.num_stages)
-    return hbuf, lists
-
-
-def gather_down(hbuf, lists, w2, w2_scale, topk_weights, topk_ids, e2s, out, config):
-    """Gather path, down and combine into out [T, H] (y bf16 for a bf16 out, else fp32). lists:
-    ``gather_gate_up``'s; config: the down kernel's own (MoEConfig.for_down())."""
-    kern = _kernels()
-    t, top_k = topk_ids.shape
-    n = t * top_k
-    s, hid, inter = w2.shape
-    int8w = w2.dtype == torch.int8
-    n_done = lists[2].numel()
-    rw = topk_weights.reshape(n).to(torch.float32).contiguous()
-    y = torch.empty((n, hid), dtype=y_dtype_for(out.dtype), device=hbuf.device)
-    s2 = w2_scale if int8w else w2
-    s2_strides = (s2.stride(0), s2.stride(1)) if int8w else (0, 0)
-    wd, tma = _weight_desc(w2, config)
-    comb_t = max(1, min(_np2(t), _GATHER_COMB_ELEMS // config.block_n))
-    kern.down_gather_kernel[(s, n_done)](
-        hbuf, w2, wd, s2, y, out, rw, topk_ids, e2s, *lists,
-        n, t, e2s.numel(), s, hid, inter,
-        hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        *s2_strides, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
-        TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, COMB_T=comb_t,
-        TMA_W=tma, INT8_W=int8w, CT=_CT[hbuf.dtype], UPCAST=kernels_interpreted(), SWAP=config.swap,
-        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
