@@ -378,15 +378,21 @@ def combine_kernel(
 # not depend on the other rows of its tile.
 
 @triton.jit
-def _slots_of(ids_ptr, e2s_ptr, slot_ptr, offs, N, E, S):
-    """slot[n] = expert_to_slot[ids[n]] for the token-slots offs (-1 for an id of -1 or outside
-    [0, E), or a slot outside [0, S)), stored and returned."""
+def _slot_map(ids_ptr, e2s_ptr, offs, N, E, S):
+    """expert_to_slot[ids[n]] for the token-slots offs (-1 for an id of -1 or outside [0, E), a slot
+    outside [0, S), or n >= N)."""
     m = offs < N
     e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
     ok = m & (e >= 0) & (e < E)
     s = tl.load(e2s_ptr + tl.where(ok, e, 0), mask=ok, other=-1).to(tl.int32)
-    s = tl.where((s >= 0) & (s < S), s, -1)
-    tl.store(slot_ptr + offs, s, mask=m)
+    return tl.where((s >= 0) & (s < S), s, -1)
+
+
+@triton.jit
+def _slots_of(ids_ptr, e2s_ptr, slot_ptr, offs, N, E, S):
+    """slot[n] = _slot_map(...) for the token-slots offs, stored and returned."""
+    s = _slot_map(ids_ptr, e2s_ptr, offs, N, E, S)
+    tl.store(slot_ptr + offs, s, mask=offs < N)
     return s
 
 
@@ -540,6 +546,40 @@ def align_small_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, cursor_ptr, block
     tl.debug_barrier()
     for n0 in range(0, N, BLOCK):
         _scatter_chunk(slot_ptr, cursor_ptr, sorted_ids_ptr, n0 + tl.arange(0, BLOCK), N, BLOCK)
+
+
+@triton.jit
+def align_per_slot_kernel(ids_ptr, e2s_ptr, slot_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr, N, E, S,
+                          NP: tl.constexpr, SP2: tl.constexpr, BLOCK_M: tl.constexpr, BCHUNK: tl.constexpr):
+    """The alignment with one program per slot s = program_id(0), for N <= NP token-slots (one launch,
+    no atomics, no barriers): every program maps all N ids to their slots and counts each slot's
+    token-slots (one histogram), so each knows where every slot's rows start; program s then writes
+    its own: its token-slots in token order (ranked by a running sum), its padding rows (the sentinel
+    N), its row blocks' block_slot entries. Program 0 also writes slot [N] and num_padded. Rows and
+    blocks from num_padded[0] on are not written. SP2: a power of two > S."""
+    me = tl.program_id(0)
+    offs = tl.arange(0, NP)
+    s = _slot_map(ids_ptr, e2s_ptr, offs, N, E, S)
+    lanes = tl.arange(0, 2 * SP2)
+    counts = tl.histogram(tl.where(s >= 0, s, SP2), 2 * SP2)  # (the token-slots off the GPU: bin SP2)
+    counts = tl.where(lanes < S, counts, 0)
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    start = tl.cumsum(padded, 0) - padded
+    first = tl.sum(tl.where(lanes == me, start, 0), 0)
+    count = tl.sum(tl.where(lanes == me, counts, 0), 0)
+    rows = tl.sum(tl.where(lanes == me, padded, 0), 0)
+    if me == 0:
+        tl.store(slot_ptr + offs, s, mask=offs < N)
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+    mine = s == me
+    rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+    tl.store(sorted_ids_ptr + first + rank, offs, mask=mine)
+    r = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ids_ptr + first + count + r, tl.full((BLOCK_M,), 0, tl.int32) + N, mask=count + r < rows)
+    blocks = rows // BLOCK_M
+    for b0 in range(0, blocks, BCHUNK):
+        b = b0 + tl.arange(0, BCHUNK)
+        tl.store(block_slot_ptr + first // BLOCK_M + b, tl.full((BCHUNK,), 0, tl.int32) + me, mask=b < blocks)
 
 
 # ----------------------------------------------------------------------------- direct path (decode)

@@ -36,6 +36,8 @@ _kernels_mod = None
 # 11.6; N=1024: 14.4 / 16.7 / 18.2; N=8192: 69 / 15.6 / 18.8; N=32768 S=32: - / 15.8 / 22.1; S=64:
 # - / 19.7 / 25.6; S=128: - / 45.8 / 39.5.
 _ALIGN_ONE_PROGRAM_MAX_N = 1024
+# Token-slots up to which the alignment runs as one program per slot (align_per_slot_kernel).
+_ALIGN_PER_SLOT_MAX_N = 1024
 _ALIGN_TWO_LAUNCH_MAX_SLOTS = 64
 _FILL = 1024  # sorted_ids entries the one-program offsets step sets to the sentinel per store
 _PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer if there are fewer tiles)
@@ -100,10 +102,12 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     sorted_ids holds the token-slots of each slot together, each slot's group padded to a multiple of
     block_m with the sentinel N; P = N + S*(block_m - 1) rounded up to block_m is the worst case, and
     rows from num_padded[0] on are unused (not read by the GEMMs; their values are not defined).
-    Three paths, by measured speed (H200, gpu_a8_probe.py): one program for N <= 1024 (one launch);
-    up to 64 slots two launches without atomics, rows in token order inside each slot; beyond, four
-    launches with atomics (rows in no fixed order inside a slot). The order changes no result: a
-    row's dot products do not depend on the other rows of its tile.
+    Paths, by measured speed (H200, gpu_a8_probe.py, gpu_align_probe.py): for N <= 1024 one launch
+    of a program per slot, rows in token order inside each slot (one program doing every step,
+    session 13's path, stays for tests and probes); beyond, up to 64 slots two launches without
+    atomics, rows in token order; beyond that four launches with atomics (rows in no fixed order
+    inside a slot). The order changes no result: a row's dot products do not depend on the other
+    rows of its tile.
     """
     kern = _kernels()
     n = topk_ids.numel()
@@ -118,7 +122,11 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     block_slot = torch.empty(p // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     chunk = 64 if sp2 <= 256 else 16  # block_slot entries per step of the one-program offsets
-    if n <= _ALIGN_ONE_PROGRAM_MAX_N:
+    if n <= _ALIGN_PER_SLOT_MAX_N:
+        # Decode-sized: one launch, a program per slot (each counts all slots, writes its own rows).
+        kern.align_per_slot_kernel[(max(s, 1),)](ids, e2s, slot, block_slot, num_padded, sorted_ids, n,
+                                                 e2s.numel(), s, NP=_np2(n), SP2=sp2, BLOCK_M=block_m, BCHUNK=16)
+    elif n <= _ALIGN_ONE_PROGRAM_MAX_N:
         # Decode-sized: one launch (the kernel zeroes its own counters).
         scratch = torch.empty(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor
         kern.align_small_kernel[(1,)](ids, e2s, slot, scratch[:sp2], scratch[sp2:], block_slot, num_padded,
@@ -167,10 +175,11 @@ def _forced_sorted_h(on: bool):
 
 
 def _forced_align(path: str):
-    """align_by_slot takes the given path ("one_program", "two_launch" or "atomics") whatever N and S
-    are, within the block."""
-    one, two = {"one_program": (1 << 62, 0), "two_launch": (-1, 1 << 62), "atomics": (-1, -1)}[path]
-    return _overriding(_ALIGN_ONE_PROGRAM_MAX_N=one, _ALIGN_TWO_LAUNCH_MAX_SLOTS=two)
+    """align_by_slot takes the given path ("per_slot", "one_program", "two_launch" or "atomics")
+    whatever N and S are, within the block."""
+    per, one, two = {"per_slot": (1 << 62, 0, 0), "one_program": (-1, 1 << 62, 0), "two_launch": (-1, -1, 1 << 62),
+                     "atomics": (-1, -1, -1)}[path]
+    return _overriding(_ALIGN_PER_SLOT_MAX_N=per, _ALIGN_ONE_PROGRAM_MAX_N=one, _ALIGN_TWO_LAUNCH_MAX_SLOTS=two)
 
 
 def _check(x, topk_ids, topk_weights, expert_to_slot, w13, w2, w13_scale, w2_scale):

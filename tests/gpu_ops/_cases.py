@@ -132,12 +132,13 @@ def routed_case(device, ids_list, e2s_list, h, i, seed):
 
 def align_case(device, t, k, e2s_list, block_m, seed, path):
     """align_by_slot on the given path (moe._forced_align): every GPU token-slot exactly once, in a
-    block of its own slot; padding (inside the rows in use) = sentinel; on the two-launch path each
-    slot's rows are also in token order."""
+    block of its own slot; padding (inside the rows in use) = sentinel; on the two-launch and
+    per-slot paths each slot's rows are also in token order."""
     from kt.gpu_ops import moe
 
     with moe._forced_align(path):
-        _align_check(device, t, k, e2s_list, block_m, seed, moe.align_by_slot, ordered=path == "two_launch")
+        _align_check(device, t, k, e2s_list, block_m, seed, moe.align_by_slot,
+                     ordered=path in ("two_launch", "per_slot"))
 
 
 def _align_check(device, t, k, e2s_list, block_m, seed, align_by_slot, ordered=False):

@@ -215,14 +215,7 @@ def test_cpu_tensors_without_interpreter_is_a_clear_error():
     assert "ERR fused_moe: CPU tensors need the Triton interpreter" in r.stdout, r.stdout + r.stderr
 
 
-ALIGN_PATHS = ["one_program", "two_launch", "atomics"]
-
-
-@pytest.mark.parametrize("path", ALIGN_PATHS)
-@pytest.mark.parametrize("t,k,e2s,bm", [(1, 2, E2S_A, 16), (37, 3, E2S_B, 16), (33, 4, E2S_A, 32),
-                                      (0, 2, E2S_A, 16), (5, 2, [-1, -1, -1], 16)])
-def test_align_by_slot(run_case, t, k, e2s, bm, path):
-    run_case(_cases.align_case, t, k, e2s, bm, t + k + bm, path)
+ALIGN_PATHS = ["per_slot", "one_program", "two_launch", "atomics"]
 
 
 # larger N: several programs per launch, many slots (one-hot tiles of 8 rows on the two-launch path),
@@ -230,7 +223,14 @@ def test_align_by_slot(run_case, t, k, e2s, bm, path):
 E2S_MANY = [(i * 7) % 301 - 1 for i in range(320)]  # slots 0..299 and some -1, scattered
 
 
-@pytest.mark.parametrize("path", ALIGN_PATHS[1:])
+@pytest.mark.parametrize("path", ALIGN_PATHS)
+@pytest.mark.parametrize("t,k,e2s,bm", [(1, 2, E2S_A, 16), (37, 3, E2S_B, 16), (33, 4, E2S_A, 32),
+                                      (0, 2, E2S_A, 16), (5, 2, [-1, -1, -1], 16), (128, 8, E2S_MANY, 16)])
+def test_align_by_slot(run_case, t, k, e2s, bm, path):
+    run_case(_cases.align_case, t, k, e2s, bm, t + k + bm, path)
+
+
+@pytest.mark.parametrize("path", ALIGN_PATHS[2:])
 @pytest.mark.parametrize("t,k,e2s,bm", [(300, 4, E2S_B, 16), (157, 3, E2S_MANY, 32), (9000, 8, E2S_A, 64)],
                          ids=["chunks", "many-slots", "big-chunks"])
 def test_align_by_slot_large_n(run_case, t, k, e2s, bm, path):
@@ -259,7 +259,7 @@ def test_nan_in_a_token_makes_its_row_nan(run_case, a8):
     run_case(_cases.nan_row_case, a8, 11)
 
 
-@pytest.mark.parametrize("path", ALIGN_PATHS[1:])
+@pytest.mark.parametrize("path", ALIGN_PATHS[2:])
 def test_fused_moe_large_n_alignment(run_case, path):
     # Large-N alignment path (forced on a small case) feeding the GEMMs.
     run_case(_cases.fused_case, 33, 8, 4, 64, 32, E2S_B, "bf16", 5, 0.1, None, path)
