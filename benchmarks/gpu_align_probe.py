@@ -15,7 +15,10 @@ each other (bit-identical: a row's products do not depend on the other rows of i
 timed, as a fraction of the HBM copy bandwidth for the touched slots' weights (as
 gpu_decode_floor.py). CUDA-graph replays, L2 flushed, min / median of interleaved rounds.
 
+With --large the same at prefill sizes (N > 1024), against the two-launch and atomics paths.
+
     PYTHONPATH=. python3 benchmarks/gpu_align_probe.py --out $OUT      (~1 min on the H200)
+    PYTHONPATH=. python3 benchmarks/gpu_align_probe.py --large --out $OUT
     python3 benchmarks/gpu_align_probe.py --dry-run                    (interpreter: checks only)
 """
 from __future__ import annotations
@@ -30,20 +33,34 @@ import bench_gpu as B  # noqa: E402  (shapes, weights, routing, graph capture, c
 from _results import write_json  # noqa: E402
 from gpu_a8_probe import _align_layout, probe_setup  # noqa: E402
 
-PATHS = ("per_slot", "one_program")
-# (label, (E, K, GPU slots), T, rows per block)
+def paths_for(n, slots):
+    """The alignment paths a case compares: per-slot first, then the path align_by_slot took before
+    session 25 (one program up to N=1024; two launches up to 64 slots; else atomics), and the
+    atomics path for any larger N."""
+    if n <= 1024:
+        return ("per_slot", "one_program")
+    return ("per_slot", "two_launch", "atomics") if slots <= 64 else ("per_slot", "atomics")
+
+
+# (label, (E, K, GPU slots), T, rows per block); --large: the sizes of prefill
 ALIGN_CASES = ([("qwen3-30b-a3b", (128, 8, 32), t, 16) for t in (4, 7, 16, 64, 128)]
                + [("qwen3-all-gpu", (128, 8, 128), t, 16) for t in (7, 64)]
                + [("deepseek-v3", (256, 8, 64), 64, 16), ("deepseek-v3-all-gpu", (256, 8, 256), 64, 16),
                   ("mixtral-8x7b", (8, 2, 4), 64, 16)])
+ALIGN_LARGE_CASES = ([("qwen3-30b-a3b", (128, 8, 32), t, bm) for t, bm in ((256, 32), (512, 32), (1024, 64),
+                                                                          (4096, 128))]
+                     + [("qwen3-all-gpu", (128, 8, 128), t, 64) for t in (256, 512, 4096)]
+                     + [("deepseek-v3", (256, 8, 64), 512, 64), ("mixtral-8x7b", (8, 2, 4), 4096, 128)])
 ALIGN_DRY_CASES = [("tiny", (8, 2, 4), 33, 16), ("tiny", (8, 2, 4), 5, 32)]
 FUSED_CASES = ([("qwen3-30b-a3b", d, t) for d in ("int8", "bf16") for t in (4, 7, 16, 32, 64, 128)]
                + [("mixtral-8x7b", d, t) for d in ("int8", "bf16") for t in (7, 64)])
+FUSED_LARGE_CASES = [("qwen3-30b-a3b", d, t) for d in ("int8", "bf16") for t in (256, 512, 1024)]
 FUSED_DRY_CASES = [("tiny", "bf16", 5), ("tiny", "int8", 9)]
 
 
 def main(argv=None):
-    a, do_bench, dev, ceilings = probe_setup(__doc__, argv)
+    a, do_bench, dev, ceilings = probe_setup(__doc__, argv, extra=[
+        ("--large", dict(action="store_true", help="the prefill sizes (N > 1024) instead of decode's"))])
     dry = a.dry_run
     import torch
 
@@ -64,14 +81,14 @@ def main(argv=None):
                 return fn()
         return run
 
-    for label, (e, k, ns), t, bm in (ALIGN_DRY_CASES if dry else ALIGN_CASES):
+    for label, (e, k, ns), t, bm in (ALIGN_DRY_CASES if dry else ALIGN_LARGE_CASES if a.large else ALIGN_CASES):
         sh = dict(E=e, K=k, S=ns)
         e2s = B.make_e2s(torch, sh, dev, 3)
         ids, _ = B.make_routing(torch, sh, t, e2s, dev, 5 + t)
         n = ids.numel()
         case = dict(shape=label, E=e, K=k, S=ns, T=t, N=n, block_m=bm, variants={})
         graphs, ref = {}, None
-        for path in PATHS:
+        for path in paths_for(n, ns):
             fn = forced(path, lambda: M.align_by_slot(ids, e2s, ns, bm))
             lay = _align_layout(torch, fn(), n, bm)
             ref = ref or lay
@@ -87,7 +104,7 @@ def main(argv=None):
     table = {} if dry else M._device_table(torch.cuda.current_device())
     shapes = B.DRY_SHAPES if dry else B.SHAPES
     made = {}
-    for name, dtype, t in (FUSED_DRY_CASES if dry else FUSED_CASES):
+    for name, dtype, t in (FUSED_DRY_CASES if dry else FUSED_LARGE_CASES if a.large else FUSED_CASES):
         sh = shapes[name]
         if (name, dtype) not in made:
             made.clear()
@@ -107,14 +124,15 @@ def main(argv=None):
         assert isinstance(cfg, MoEConfig)
         case = dict(shape=name, dtype=dtype, T=t, bytes=nbytes, config=cfg.to_dict(), variants={})
         graphs, outs = {}, {}
-        for path in PATHS:
+        paths = paths_for(ids.numel(), sh["S"])
+        for path in paths:
             fn = forced(path, lambda: fused_moe(x, ids, w, e2s, **wts, config=cfg))
             outs[path] = fn()
             err = float(R.relative_error(outs[path], ref))
             assert err <= 1e-2, (name, dtype, t, path, err)
             case["variants"][path] = dict(rel_err=err)
             graphs[path] = replay(fn)
-        case["bit_identical"] = bool(torch.equal(outs[PATHS[0]], outs[PATHS[1]]))
+        case["bit_identical"] = all(bool(torch.equal(outs[paths[0]], outs[p])) for p in paths[1:])
         assert case["bit_identical"], (name, dtype, t)
         for path, (mn, md) in B.interleaved_us(do_bench, graphs, a.rounds, dry).items():
             v = case["variants"][path]

@@ -550,18 +550,31 @@ def align_small_kernel(ids_ptr, e2s_ptr, slot_ptr, counts_ptr, cursor_ptr, block
 
 @triton.jit
 def align_per_slot_kernel(ids_ptr, e2s_ptr, slot_ptr, block_slot_ptr, num_padded_ptr, sorted_ids_ptr, N, E, S,
-                          NP: tl.constexpr, SP2: tl.constexpr, BLOCK_M: tl.constexpr, BCHUNK: tl.constexpr):
-    """The alignment with one program per slot s = program_id(0), for N <= NP token-slots (one launch,
-    no atomics, no barriers): every program maps all N ids to their slots and counts each slot's
-    token-slots (one histogram), so each knows where every slot's rows start; program s then writes
-    its own: its token-slots in token order (ranked by a running sum), its padding rows (the sentinel
-    N), its row blocks' block_slot entries. Program 0 also writes slot [N] and num_padded. Rows and
-    blocks from num_padded[0] on are not written. SP2: a power of two > S."""
+                          CHUNK: tl.constexpr, SINGLE: tl.constexpr, SP2: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BCHUNK: tl.constexpr):
+    """The alignment with one program per slot s = program_id(0), in one launch, no atomics, no
+    barriers: every program maps all N ids to their slots and counts each slot's token-slots (a
+    histogram per CHUNK ids), so each knows where every slot's rows start; program s then writes its
+    own: its token-slots in token order (ranked by a running sum), its padding rows (the sentinel N),
+    its row blocks' block_slot entries. Program 0 also writes slot [N] and num_padded. Rows and
+    blocks from num_padded[0] on are not written. SINGLE (N <= CHUNK): the ids are read once, else
+    once per pass. SP2: a power of two >= S."""
     me = tl.program_id(0)
-    offs = tl.arange(0, NP)
-    s = _slot_map(ids_ptr, e2s_ptr, offs, N, E, S)
     lanes = tl.arange(0, 2 * SP2)
-    counts = tl.histogram(tl.where(s >= 0, s, SP2), 2 * SP2)  # (the token-slots off the GPU: bin SP2)
+    if SINGLE:
+        offs = tl.arange(0, CHUNK)
+        s = _slot_map(ids_ptr, e2s_ptr, offs, N, E, S)
+        counts = tl.histogram(tl.where(s >= 0, s, SP2), 2 * SP2)  # (token-slots off the GPU: bin SP2)
+        if me == 0:
+            tl.store(slot_ptr + offs, s, mask=offs < N)
+    else:
+        counts = tl.zeros((2 * SP2,), tl.int32)
+        for c0 in range(0, N, CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            s = _slot_map(ids_ptr, e2s_ptr, offs, N, E, S)
+            counts += tl.histogram(tl.where(s >= 0, s, SP2), 2 * SP2)
+            if me == 0:
+                tl.store(slot_ptr + offs, s, mask=offs < N)
     counts = tl.where(lanes < S, counts, 0)
     padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
     start = tl.cumsum(padded, 0) - padded
@@ -569,11 +582,17 @@ def align_per_slot_kernel(ids_ptr, e2s_ptr, slot_ptr, block_slot_ptr, num_padded
     count = tl.sum(tl.where(lanes == me, counts, 0), 0)
     rows = tl.sum(tl.where(lanes == me, padded, 0), 0)
     if me == 0:
-        tl.store(slot_ptr + offs, s, mask=offs < N)
         tl.store(num_padded_ptr, tl.sum(padded, 0))
-    mine = s == me
-    rank = tl.cumsum(mine.to(tl.int32), 0) - 1
-    tl.store(sorted_ids_ptr + first + rank, offs, mask=mine)
+    if SINGLE:
+        mine = s == me
+        tl.store(sorted_ids_ptr + first + tl.cumsum(mine.to(tl.int32), 0) - 1, offs, mask=mine)
+    else:
+        base = first
+        for c0 in range(0, N, CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            mine = _slot_map(ids_ptr, e2s_ptr, offs, N, E, S) == me
+            tl.store(sorted_ids_ptr + base + tl.cumsum(mine.to(tl.int32), 0) - 1, offs, mask=mine)
+            base += tl.sum(mine.to(tl.int32), 0)
     r = tl.arange(0, BLOCK_M)
     tl.store(sorted_ids_ptr + first + count + r, tl.full((BLOCK_M,), 0, tl.int32) + N, mask=count + r < rows)
     blocks = rows // BLOCK_M

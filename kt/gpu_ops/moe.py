@@ -36,8 +36,13 @@ _kernels_mod = None
 # 11.6; N=1024: 14.4 / 16.7 / 18.2; N=8192: 69 / 15.6 / 18.8; N=32768 S=32: - / 15.8 / 22.1; S=64:
 # - / 19.7 / 25.6; S=128: - / 45.8 / 39.5.
 _ALIGN_ONE_PROGRAM_MAX_N = 1024
-# Token-slots up to which the alignment runs as one program per slot (align_per_slot_kernel).
-_ALIGN_PER_SLOT_MAX_N = 1024
+# Token-slots up to which the alignment runs as one program per slot (align_per_slot_kernel), and
+# the ids each of its programs maps per step. H200, us alone, per slot / the path before it
+# (results/gpu_align_probe_*_s25_run6): N=512 S=32: 4.8 / 8.1 (one program); N=2048: 6.6 / 16.3 (two
+# launches); N=4096: 10.6 / 16.3, S=128: 12.3 / 24.3 (atomics); N=8192: 20.6 / 16.1 (each program
+# reads all ids: it loses from here on).
+_ALIGN_PER_SLOT_MAX_N = 4096
+_ALIGN_PER_SLOT_CHUNK = 4096
 _ALIGN_TWO_LAUNCH_MAX_SLOTS = 64
 _FILL = 1024  # sorted_ids entries the one-program offsets step sets to the sentinel per store
 _PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer if there are fewer tiles)
@@ -102,12 +107,12 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     sorted_ids holds the token-slots of each slot together, each slot's group padded to a multiple of
     block_m with the sentinel N; P = N + S*(block_m - 1) rounded up to block_m is the worst case, and
     rows from num_padded[0] on are unused (not read by the GEMMs; their values are not defined).
-    Paths, by measured speed (H200, gpu_a8_probe.py, gpu_align_probe.py): for N <= 1024 one launch
-    of a program per slot, rows in token order inside each slot (one program doing every step,
-    session 13's path, stays for tests and probes); beyond, up to 64 slots two launches without
-    atomics, rows in token order; beyond that four launches with atomics (rows in no fixed order
-    inside a slot). The order changes no result: a row's dot products do not depend on the other
-    rows of its tile.
+    Paths, by measured speed (H200, gpu_a8_probe.py, gpu_align_probe.py): for N <= 4096 one launch
+    of a program per slot, rows in token order inside each slot; beyond, up to 64 slots two launches
+    without atomics, rows in token order; beyond that four launches with atomics (rows in no fixed
+    order inside a slot). (The one-program path that decode used until session 25 is only taken
+    when forced, `_forced_align`: tests check every path against the others.) The order changes no
+    result: a row's dot products do not depend on the other rows of its tile.
     """
     kern = _kernels()
     n = topk_ids.numel()
@@ -124,8 +129,10 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     chunk = 64 if sp2 <= 256 else 16  # block_slot entries per step of the one-program offsets
     if n <= _ALIGN_PER_SLOT_MAX_N:
         # Decode-sized: one launch, a program per slot (each counts all slots, writes its own rows).
+        ch = min(_np2(n), _ALIGN_PER_SLOT_CHUNK)
         kern.align_per_slot_kernel[(max(s, 1),)](ids, e2s, slot, block_slot, num_padded, sorted_ids, n,
-                                                 e2s.numel(), s, NP=_np2(n), SP2=sp2, BLOCK_M=block_m, BCHUNK=16)
+                                                 e2s.numel(), s, CHUNK=ch, SINGLE=n <= ch, SP2=sp2,
+                                                 BLOCK_M=block_m, BCHUNK=16)
     elif n <= _ALIGN_ONE_PROGRAM_MAX_N:
         # Decode-sized: one launch (the kernel zeroes its own counters).
         scratch = torch.empty(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor

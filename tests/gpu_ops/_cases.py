@@ -130,13 +130,17 @@ def routed_case(device, ids_list, e2s_list, h, i, seed):
     return out.cpu()
 
 
-def align_case(device, t, k, e2s_list, block_m, seed, path):
+def align_case(device, t, k, e2s_list, block_m, seed, path, chunk=None):
     """align_by_slot on the given path (moe._forced_align): every GPU token-slot exactly once, in a
     block of its own slot; padding (inside the rows in use) = sentinel; on the two-launch and
-    per-slot paths each slot's rows are also in token order."""
+    per-slot paths each slot's rows are also in token order. chunk: the ids the per-slot path's
+    programs map per step (moe._ALIGN_PER_SLOT_CHUNK)."""
+    import contextlib
+
     from kt.gpu_ops import moe
 
-    with moe._forced_align(path):
+    steps = moe._overriding(_ALIGN_PER_SLOT_CHUNK=chunk) if chunk else contextlib.nullcontext()
+    with moe._forced_align(path), steps:
         _align_check(device, t, k, e2s_list, block_m, seed, moe.align_by_slot,
                      ordered=path in ("two_launch", "per_slot"))
 
