@@ -333,7 +333,7 @@ def test_expert_too_large_for_32_bit_offsets():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graph capture)")
 def test_a8_graph_replay_is_bit_identical_to_eager():
-    """The a8 path (quantiser, int8 tensor cores; N=600, so the one-program alignment), captured in a
+    """The a8 path (quantiser, int8 tensor cores; N=600, so the per-slot alignment), captured in a
     CUDA graph and replayed with new inputs copied in, equals eager mode bit for bit."""
     from kt.gpu_ops import MoEConfig
 
