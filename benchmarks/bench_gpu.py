@@ -138,6 +138,36 @@ def op_inputs(torch, sh, t, dev, x_seed, route_seed):
     return e2s, x.to(torch.bfloat16), ids, w, 2 * int((slots >= 0).sum()) * 3 * sh["H"] * sh["I"]
 
 
+def decode_case(torch, shapes, made, name, dtype, t, dev, table):
+    """One decode-sized case of the probes, with the seeds of gpu_decode_floor.py: (weights dict,
+    e2s, x [T, H] bf16, ids, w, bytes of the touched slots' weights, the fp32 reference output,
+    the table's sorted-path config for T). made: a {(shape, dtype): weights} cache, emptied when
+    the case needs other weights (one set on the GPU at a time)."""
+    from unittest import mock
+
+    from kt.gpu_ops import MoEConfig, pick_config
+    from kt.gpu_ops import configs as C
+
+    sh = shapes[name]
+    if (name, dtype) not in made:
+        made.clear()
+        if dev != "cpu":
+            torch.cuda.empty_cache()
+        made[(name, dtype)] = make_weights(torch, sh, dtype, dev, 2)
+    wts, (w13f, w2f) = made[(name, dtype)]
+    e2s = make_e2s(torch, sh, dev, 1)
+    gx = torch.Generator(device=dev).manual_seed(3 + t)
+    x = torch.randn(t, sh["H"], device=dev, generator=gx).to(torch.bfloat16)
+    ids, w = make_routing(torch, sh, t, e2s, dev, 4 + t)
+    per_slot = sum(wts[n].numel() * wts[n].element_size() for n in ("w13", "w2")) // sh["S"]
+    nbytes = per_slot * len(touched_slots(gpu_slots(torch, ids, e2s)))
+    ref = ref_gpu(torch, x, ids, w, e2s, w13f, w2f)
+    with mock.patch.multiple(C, DIRECT_MAX_T=0, DIRECT_MAX_N=0):  # the sorted path's table entry
+        cfg = pick_config(t, sh["K"], sh["S"], sh["H"], sh["I"], dtype, table)
+    assert isinstance(cfg, MoEConfig)
+    return wts, e2s, x, ids, w, nbytes, ref, cfg
+
+
 def ref_gpu(torch, x, ids, w, e2s, w13f, w2f):
     """The spec in fp32 on the GPU (TF32 off): sum over GPU experts of w * w2 @ (silu(gate x) * up x)."""
     t, h = x.shape

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import sys
-from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,8 +47,7 @@ def main(argv=None):
     import torch
 
     from kt import reference as R
-    from kt.gpu_ops import DirectConfig, MoEConfig, fused_moe, pick_config
-    from kt.gpu_ops import configs as C
+    from kt.gpu_ops import DirectConfig, fused_moe, pick_config
     from kt.gpu_ops import moe as M
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -59,23 +57,9 @@ def main(argv=None):
     made = {}
     for name, dtype, t in (DRY["cases"] if dry else CASES):
         sh = shapes[name]
-        if (name, dtype) not in made:
-            made.clear()
-            if not dry:
-                torch.cuda.empty_cache()
-            made[(name, dtype)] = B.make_weights(torch, sh, dtype, dev, 2)
-        wts, (w13f, w2f) = made[(name, dtype)]
-        e2s = B.make_e2s(torch, sh, dev, 1)  # (the seeds of gpu_decode_floor.py)
-        gx = torch.Generator(device=dev).manual_seed(3 + t)
-        x = torch.randn(t, sh["H"], device=dev, generator=gx).to(torch.bfloat16)
-        ids, w = B.make_routing(torch, sh, t, e2s, dev, 4 + t)
-        per_slot = sum(wts[n].numel() * wts[n].element_size() for n in ("w13", "w2")) // sh["S"]
-        nbytes = per_slot * len(B.touched_slots(B.gpu_slots(torch, ids, e2s)))
-        ref = B.ref_gpu(torch, x, ids, w, e2s, w13f, w2f)
+        wts, e2s, x, ids, w, nbytes, ref, sorted_cfg = B.decode_case(torch, shapes, made, name, dtype, t, dev,
+                                                                     table)
         args = (t, sh["K"], sh["S"], sh["H"], sh["I"], dtype, table)
-        with mock.patch.multiple(C, DIRECT_MAX_T=0, DIRECT_MAX_N=0):  # the sorted path's table entry
-            sorted_cfg = pick_config(*args)
-        assert isinstance(sorted_cfg, MoEConfig)
         base = pick_config(1, *args[1:])
         variants = {"sorted": sorted_cfg}
         for gu in (DRY["gu"] if dry else GU):
