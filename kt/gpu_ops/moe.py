@@ -30,8 +30,9 @@ _CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _WNAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "int8"}
 
 _kernels_mod = None
-# Token-slots up to which the alignment runs as one program, and slots (next power of two) up to
-# which larger N takes the two-launch path (else four launches with atomics). H200, us, one program /
+# Token-slots up to which the alignment runs as one program (where the per-slot path below does not
+# take them: since session 25 only when forced), and slots (next power of two) up to which larger N
+# takes the two-launch path (else four launches with atomics). H200, us, one program /
 # two launches / atomics (benchmarks/results/gpu_s13_run7_a8_probe.json): N=512 S=32: 9.8 / 18.0 /
 # 11.6; N=1024: 14.4 / 16.7 / 18.2; N=8192: 69 / 15.6 / 18.8; N=32768 S=32: - / 15.8 / 22.1; S=64:
 # - / 19.7 / 25.6; S=128: - / 45.8 / 39.5.
@@ -128,13 +129,15 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     chunk = 64 if sp2 <= 256 else 16  # block_slot entries per step of the one-program offsets
     if n <= _ALIGN_PER_SLOT_MAX_N:
-        # Decode-sized: one launch, a program per slot (each counts all slots, writes its own rows).
+        # Up to a few thousand token-slots: one launch, a program per slot (each counts all slots,
+        # writes its own rows).
         ch = min(_np2(n), _ALIGN_PER_SLOT_CHUNK)
         kern.align_per_slot_kernel[(max(s, 1),)](ids, e2s, slot, block_slot, num_padded, sorted_ids, n,
                                                  e2s.numel(), s, CHUNK=ch, SINGLE=n <= ch, SP2=sp2,
                                                  BLOCK_M=block_m, BCHUNK=16)
     elif n <= _ALIGN_ONE_PROGRAM_MAX_N:
-        # Decode-sized: one launch (the kernel zeroes its own counters).
+        # One program for every step (the kernel zeroes its own counters): below the per-slot
+        # path's limit, so taken only when forced (_forced_align).
         scratch = torch.empty(2 * sp2, dtype=torch.int32, device=dev)  # counts, cursor
         kern.align_small_kernel[(1,)](ids, e2s, slot, scratch[:sp2], scratch[sp2:], block_slot, num_padded,
                                       sorted_ids, n, e2s.numel(), s, p, SP2=sp2, BLOCK_M=block_m, BLOCK=1024,
