@@ -237,7 +237,7 @@ def test_align_by_slot_large_n(run_case, t, k, e2s, bm, path):
     run_case(_cases.align_case, t, k, e2s, bm, t + k + bm, path)
 
 
-@pytest.mark.parametrize("t,k,e2s,chunk", [(37, 3, E2S_B, 16), (157, 3, E2S_MANY, 64), (40, 2, E2S_A, 32)])
+@pytest.mark.parametrize("t,k,e2s,chunk", [(37, 3, E2S_B, 16), (64, 3, E2S_MANY, 64), (40, 2, E2S_A, 32)])
 def test_align_per_slot_in_steps(run_case, t, k, e2s, chunk):
     # the per-slot path's programs map the ids `chunk` at a time (two passes), a partial last step
     run_case(_cases.align_case, t, k, e2s, 16, t + k, "per_slot", chunk)
