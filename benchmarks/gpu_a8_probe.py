@@ -15,8 +15,8 @@ reconstruction within half a level-2 step):
 - ``rne_nan1``: rne with the NaN guard only on the row maximum.
 Each variant is timed at several rows per program (CUDA-graph replay, L2 flushed, min / median of
 interleaved rounds) for x [T, H] at H=2048 (qwen3) T=512 / 4096, H=4096 (mixtral) and H=7168
-(DeepSeek-V3) at T=4096, as a fraction of its bytes' HBM time. Then the alignment's three paths
-(one program, two launches, four with atomics) over N and S; then ``fused_moe`` at qwen3 T=4096 with
+(DeepSeek-V3) at T=4096, as a fraction of its bytes' HBM time. Then the alignment's paths (one
+program per slot up to N=4096, one program, two launches, four with atomics) over N and S; then ``fused_moe`` at qwen3 T=4096 with
 int8 weights (the table's a8 config, each quantiser; the four-launch alignment) and bf16 weights
 (either alignment), as a fraction of the bf16 matmul rate measured in the same run (issue 6's
 "T=4096 at >= 40 %").
@@ -142,6 +142,33 @@ def _align_layout(torch, out, n, bm):
     return slot.tolist(), used, {k: tuple(sorted(v)) for k, v in per_slot.items()}
 
 
+def align_case(torch, do_bench, dev, label, e, k, ns, t, bm, paths, rounds, dry):
+    """One alignment case: routing of T tokens over E experts (K each, ns on the GPU), then
+    ``align_by_slot`` on each path (forced at each capture: the path is fixed when a graph is
+    captured), every layout checked against the first path's, timed in interleaved rounds (min /
+    median us). paths: a function of (N, ns). Prints a line; returns the case's record."""
+    from kt.gpu_ops import moe as M
+
+    sh = dict(E=e, K=k, S=ns)
+    e2s = B.make_e2s(torch, sh, dev, 3)
+    ids, _ = B.make_routing(torch, sh, t, e2s, dev, 5 + t)
+    n = ids.numel()
+    case = dict(shape=label, E=e, K=k, S=ns, T=t, N=n, block_m=bm, variants={})
+    graphs, ref = {}, None
+    for path in paths(n, ns):
+        with M._forced_align(path):
+            lay = _align_layout(torch, M.align_by_slot(ids, e2s, ns, bm), n, bm)
+            ref = ref or lay
+            assert lay == ref, (label, t, path)
+            fn = lambda: M.align_by_slot(ids, e2s, ns, bm)  # noqa: E731
+            graphs[path] = fn if dry else B.graph_of(torch, fn)[0].replay
+    for path, (mn, md) in B.interleaved_us(do_bench, graphs, rounds, dry).items():
+        case["variants"][path] = dict(min_us=mn, median_us=md)
+    print(f"align {label} T={t} N={n} S={ns} block_m={bm}: " + ", ".join(
+        f"{p} {v['min_us']:.1f}/{v['median_us']:.1f} us" for p, v in case["variants"].items()), flush=True)
+    return case
+
+
 def probe_setup(doc, argv, extra=()):
     """The probe's start: parse --out / --rounds / --dry-run (and ``extra``: (flag, add_argument
     keywords) pairs), switch the interpreter on for a dry run (before triton is first imported),
@@ -217,29 +244,13 @@ def main(argv=None):
                                                       for n, kk in best.items()), flush=True)
         del graphs
 
-    # the slot alignment's three paths over N and S (align_by_slot picks one by N and S), each
-    # checked against the others (same rows in use, same token-slots in the same slots' blocks)
+    # the slot alignment's paths over N and S (align_by_slot picks one by N and S), each checked
+    # against the others (same rows in use, same token-slots in the same slots' blocks)
+    def paths(n, ns):
+        return (["per_slot"] if n <= 4096 else []) + ["two_launch", "atomics"] + (["one_program"] if n <= 8192 else [])
+
     for label, (e, k, ns), t, bm in (ALIGN_DRY_CASES if dry else ALIGN_CASES):
-        sh = dict(E=e, K=k, S=ns)
-        e2s = B.make_e2s(torch, sh, dev, 3)
-        ids, _ = B.make_routing(torch, sh, t, e2s, dev, 5 + t)
-        n = ids.numel()
-        # (the path align_by_slot takes is fixed when a graph is captured: it is forced per capture)
-        paths = ["two_launch", "atomics"] + (["one_program"] if n <= 8192 else [])
-        case = dict(shape=label, E=e, K=k, S=ns, T=t, N=n, block_m=bm, variants={})
-        graphs, ref = {}, None
-        for name in paths:
-            with M._forced_align(name):
-                lay = _align_layout(torch, M.align_by_slot(ids, e2s, ns, bm), n, bm)
-                ref = ref or lay
-                assert lay == ref, (label, t, name)
-                graphs[name] = replay(lambda: M.align_by_slot(ids, e2s, ns, bm))
-        for name, (mn, md) in B.interleaved_us(do_bench, graphs, a.rounds, dry).items():
-            case["variants"][name] = dict(min_us=mn, median_us=md)
-        res["align"].append(case)
-        print(f"align {label} T={t} N={n} S={ns} block_m={bm}: " + ", ".join(
-            f"{k_} {v['min_us']:.1f} us" for k_, v in case["variants"].items()), flush=True)
-        del graphs
+        res["align"].append(align_case(torch, do_bench, dev, label, e, k, ns, t, bm, paths, a.rounds, dry))
 
     # the whole int8 op with each variant's best quantiser at qwen3 T=4096 (the dry run: tiny, T=33)
     sh = B.DRY_SHAPES["tiny"] if dry else B.SHAPES["qwen3-30b-a3b"]

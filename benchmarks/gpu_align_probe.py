@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_gpu as B  # noqa: E402  (shapes, weights, routing, graph capture, ceilings)
 from _results import write_json  # noqa: E402
-from gpu_a8_probe import _align_layout, probe_setup  # noqa: E402
+from gpu_a8_probe import align_case, probe_setup  # noqa: E402
 
 def paths_for(n, slots):
     """The alignment paths a case compares: per-slot first, then the path align_by_slot took before
@@ -79,24 +79,7 @@ def main(argv=None):
         return run
 
     for label, (e, k, ns), t, bm in (ALIGN_DRY_CASES if dry else ALIGN_LARGE_CASES if a.large else ALIGN_CASES):
-        sh = dict(E=e, K=k, S=ns)
-        e2s = B.make_e2s(torch, sh, dev, 3)
-        ids, _ = B.make_routing(torch, sh, t, e2s, dev, 5 + t)
-        n = ids.numel()
-        case = dict(shape=label, E=e, K=k, S=ns, T=t, N=n, block_m=bm, variants={})
-        graphs, ref = {}, None
-        for path in paths_for(n, ns):
-            fn = forced(path, lambda: M.align_by_slot(ids, e2s, ns, bm))
-            lay = _align_layout(torch, fn(), n, bm)
-            ref = ref or lay
-            assert lay == ref, (label, t, path)
-            graphs[path] = replay(fn)
-        for path, (mn, md) in B.interleaved_us(do_bench, graphs, a.rounds, dry).items():
-            case["variants"][path] = dict(min_us=mn, median_us=md)
-        res["align"].append(case)
-        print(f"align {label} T={t} N={n} S={ns}: " + ", ".join(
-            f"{p} {v['min_us']:.1f}/{v['median_us']:.1f} us" for p, v in case["variants"].items()), flush=True)
-        del graphs
+        res["align"].append(align_case(torch, do_bench, dev, label, e, k, ns, t, bm, paths_for, a.rounds, dry))
 
     table = {} if dry else M._device_table(torch.cuda.current_device())
     shapes = B.DRY_SHAPES if dry else B.SHAPES
