@@ -68,7 +68,7 @@ cache.install()
 _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8/BF16 bodies (unused)
 _NO_SCALE = np.zeros((1, 1, 16), np.float32)  # INT4 group scales of a call that does not read them
 
-__all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
+__all__ = ["gemv_int8", "gemm_int8", "gemm_int8_shared_out", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
            "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int8_staged",
            "gemm_bf16_staged", "gemm_int4_staged", "gemm_int4_inline", "gemm_int4_ratio",
@@ -138,11 +138,13 @@ def _pack_a(x, ks, kel):
         for s in range(ks):
             for c in range(kel):
                 a[m // 16, s, m % 16, c] = 0
-    for m in range(m_all):
-        t = m // 16
-        i = m % 16
+    # in the packed order (each tile's 16 rows, then the next k-step): the writes stream, the
+    # reads are 16 row streams (1 MiB, M=512 K=2048: 45 vs 56 us row by row, dev, session 26)
+    for t in range((m_all + 15) // 16):
+        r1 = min(16, m_all - t * 16)
         for s in range(ks):
-            copy64(a, ((t * ks + s) * 16 + i) * kel, x, m * xel + s * kel)
+            for i in range(r1):
+                copy64(a, ((t * ks + s) * 16 + i) * kel, x, (t * 16 + i) * xel + s * kel)
     return a
 
 
@@ -635,23 +637,38 @@ def gemm_bf16_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw, nta):
 
 
 @njit(nogil=True, cache=True)
-def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
-    """Large-M INT8 (same contract as ``gemv_int8``): the staged kernel (``gemm_int8_staged``: K
-    slices of 16 k-steps, the block pair two ahead prefetched into L2, the output lines prefetched
-    for writing). One core, M=512 (session 18, dev and device, fast-state rounds): 1.26-1.29x the
-    pipelined ``gemm_int8_pipe`` at N=1536 K=2048, 1.5x at N=2048 K=768; the 16-thread layer the
-    same within the noise. Session 19 ran it without the output prefetch (one core, M=512: 1.04 /
-    1.07-1.09x faster; 2-thread T=512 layer 0.7-3 %), but the layer at T=2048, not measured then,
-    was 15-18 % slower that way on 2 dev threads (three runs) and 6-9 % on the device's 16 (qwen3,
-    interleaved, session 20), and T=512 1-5 % slower; so the prefetch is on again, as for BF16 and
-    INT4. K is not sliced (32 k-steps: all of qwen3's gate+up) when the rows fit one M chunk, as a
-    layer's experts do up to T=2048: in the layer, T=2048 was 0-8 % faster that way (three dev runs;
-    4 % in one device run, the other within its noise) and T=512 level or faster (session 21),
-    though one core alone at M=128 on warm weights was 6 % slower. Above one chunk (issue 3's one
-    core at M=512: 10 % faster) 16."""
+def _gemm_int8(xq, xs, data, scale, out, nb0, nb1, pfw):
+    """``gemm_int8`` / ``gemm_int8_shared_out``: the staged kernel with K sliced as follows. K is
+    not sliced (32 k-steps: all of qwen3's gate+up) when the rows fit one M chunk, as a layer's
+    experts do up to T=2048: in the layer, T=2048 was 0-8 % faster that way (three dev runs; 4 %
+    in one device run, the other within its noise) and T=512 level or faster (session 21), though
+    one core alone at M=128 on warm weights was 6 % slower. Above one chunk (issue 3's one core at
+    M=512: 10 % faster) 16."""
     mc = default_mc(xq.shape[1])
     kcs = 32 if xq.shape[0] <= mc else 16
-    gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, 2, True, True)
+    gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, 2, pfw, True)
+
+
+@njit(nogil=True, cache=True)
+def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
+    """Large-M INT8 (same contract as ``gemv_int8``): the staged kernel (``gemm_int8_staged``: K
+    slices of 16 k-steps, the block pair two ahead prefetched into L2). One core, M=512 (session
+    18, dev and device, fast-state rounds): 1.26-1.29x the pipelined ``gemm_int8_pipe`` at N=1536
+    K=2048, 1.5x at N=2048 K=768; the 16-thread layer the same within the noise.
+    The output is not prefetched for writing: a caller's own output gains nothing from it (one
+    core, M=512: 4-9 % faster without, sessions 19-26). The MoE layer, whose output rows were last
+    written by other cores, takes ``gemm_int8_shared_out`` instead."""
+    _gemm_int8(xq, xs, data, scale, out, nb0, nb1, False)
+
+
+@njit(nogil=True, cache=True)
+def gemm_int8_shared_out(xq, xs, data, scale, wsum, out, nb0, nb1):
+    """``gemm_int8`` with each panel's output lines requested for writing during its last K slice
+    (``prefetch_w``): for outputs whose lines other cores wrote last, as the MoE layer's shared
+    gate+up and down rows are (session 3: such an output made the down GEMM 2x slower). The layer
+    was 15-18 % slower at T=2048 without it on 2 dev threads and 6-9 % on the device's 16 (qwen3,
+    session 20), and T=512 1-5 % slower."""
+    _gemm_int8(xq, xs, data, scale, out, nb0, nb1, True)
 
 
 # ----------------------------------------------------------------------------- INT4

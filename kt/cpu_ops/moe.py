@@ -340,6 +340,13 @@ class CPUMoE:
             elif self.variant == "amx" and self._tabs is not None:
                 # the prefill GEMM on the tables too
                 km, self._tab_m = kernels_amx.gemm_int4_tab, True
+        if kernels is None and self.scheme is QuantScheme.INT8 and self.variant == "amx":
+            from . import kernels_amx
+
+            if km is kernels_amx.gemm_int8:
+                # the layer's gate+up / down rows were last written by other cores: the form
+                # that requests them for writing early
+                km = kernels_amx.gemm_int8_shared_out
         code = _SCHEME_CODE[self.scheme]
         self._kaddr = (drv.kernel_address(kv, code), drv.kernel_address(km, code))
         self.gemv_max = gemv_max if gemv_max is not None else gemv_max_rows(self.scheme, self.variant)

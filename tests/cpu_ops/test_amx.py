@@ -633,6 +633,10 @@ def _check_blocked(mod, scheme, pf):
         assert_exact(whole[:, 16:], part[:, 16:], what="int8 pipelined block range")
         _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw, nta: mod.gemm_int8_staged(
             xq, xs, p.data, p.scale, o, nb0, nb, mc, kcs, l2, pfw, nta), whole, p, "int8")
+        # the layer's form (output lines requested for writing) against the contract kernel
+        shared = np.full((m, p.n_pad), np.nan, np.float32)
+        mod.gemm_int8_shared_out(xq, xs, p.data, p.scale, p.wsum, shared, 0, nb)
+        assert_exact(whole, shared, what="int8 gemm_int8_shared_out vs gemm_int8")
         gv = np.full((m, p.n_pad), np.nan, np.float32)
         mod.gemv_int8_pf(xq, xs, p.data, p.scale, gv, 0, nb, pf)
         assert_exact(whole, gv, what=f"int8 gemv pf={pf} vs gemm")
@@ -780,3 +784,19 @@ def test_ratio_row16_accepts_only_exact_integer_ratios():
         s2 = scale.copy()
         s2[3] = bad
         assert not check(s2, inv, sr, rx), bad
+
+
+@needs_amx
+def test_layer_takes_the_shared_output_int8_gemm():
+    """An INT8 layer on AMX calls ``gemm_int8_shared_out`` (output lines requested for writing:
+    its rows were last written by other cores) where the registry's ``gemm_int8`` does not."""
+    import kt
+    from kt.cpu_ops import _moe_driver as drv
+    from kt.cpu_ops import kernels_amx as K
+
+    rng = np.random.default_rng(5)
+    g, u = (rng.standard_normal((2, 32, 64)).astype(np.float32) for _ in range(2))
+    d = rng.standard_normal((2, 64, 32)).astype(np.float32)
+    moe = kt.CPUMoE.from_tensors(g, u, d, scheme="int8", variant="amx")
+    assert moe._kaddr[1] == drv.kernel_address(K.gemm_int8_shared_out, drv.SCHEME_INT8)
+    assert moe._kaddr[1] != drv.kernel_address(K.gemm_int8, drv.SCHEME_INT8)
