@@ -80,6 +80,9 @@ class MoEConfig:
     and runs on the int8 tensor cores, exact int32 sums, instead of converting every int8 weight
     tile to the compute dtype in the loop. Two int8 products cost what one bf16 product does, and
     the weight tiles go straight from memory to the tensor cores.
+
+    fold_combine: the down kernel's last tile of each column block sums the tokens' rows into the
+    output (no combine launch; same sums, same order). None: by T*K (``moe.folds``).
     """
 
     block_m: int = 64
@@ -97,12 +100,13 @@ class MoEConfig:
     flatten: bool = False
     down_flatten: bool | None = None
     a8: bool = False
-    down_block_m: int | None = None  # last: configs are also built positionally
+    down_block_m: int | None = None
+    fold_combine: bool | None = None  # last: configs are also built positionally
 
     def __post_init__(self):
-        for f in ("tma", "flatten", "down_flatten", "a8"):
+        for f in ("tma", "flatten", "down_flatten", "a8", "fold_combine"):
             v = getattr(self, f)
-            if not (isinstance(v, bool) or (v is None and f == "down_flatten")):
+            if not (isinstance(v, bool) or (v is None and f in ("down_flatten", "fold_combine"))):
                 raise ValueError(f"MoEConfig.{f} must be a bool, got {v!r}")
         _check_pow2("MoEConfig", self, ("block_m", "block_n", "block_k"), 16)
         _check_pow2("MoEConfig", self, [f for f in ("down_block_m", "down_block_n", "down_block_k")
