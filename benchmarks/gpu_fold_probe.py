@@ -50,6 +50,9 @@ def main(argv=None):
         wts, e2s, x, ids, w, nbytes, ref, cfg = B.decode_case(torch, shapes, made, name, dtype, t, dev, table)
         case = dict(shape=name, dtype=dtype, T=t, bytes=nbytes, config=cfg.to_dict(), variants={})
         graphs, outs = {}, {}
+        if cfg.for_down().flatten:  # (the fold needs a down loop that is not flattened)
+            cfg = replace(cfg, down_flatten=False)
+            case["config"] = cfg.to_dict()
         for label, on, steps in (("launch", False, None),) + tuple((f"fold{n}", True, n) for n in FOLD_TOKENS):
             c = replace(cfg, fold_combine=on)
 
@@ -74,6 +77,7 @@ def main(argv=None):
             + (f" ({100 * v['hbm_frac']:.0f} %)" if "hbm_frac" in v else "") for p, v in case["variants"].items()),
             flush=True)
         del graphs
+        write_json(a.out, "gpu_fold_probe.json", res)  # (after every case: a cut run keeps its cases)
     print(f"wrote {write_json(a.out, 'gpu_fold_probe.json', res)}")
     return 0
 

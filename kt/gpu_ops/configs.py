@@ -82,7 +82,8 @@ class MoEConfig:
     the weight tiles go straight from memory to the tensor cores.
 
     fold_combine: the down kernel's last tile of each column block sums the tokens' rows into the
-    output (no combine launch; same sums, same order). None: by T*K (``moe.folds``).
+    output (no combine launch; same sums, same order). None: by T*K (``moe.folds``), where the
+    down's tile loop is not flattened (a flattened one cannot take it).
     """
 
     block_m: int = 64
@@ -116,6 +117,9 @@ class MoEConfig:
             if (v is not None or f == "group_m") and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"MoEConfig.{f} must be a positive int, got {v!r}")
         _check_launch("MoEConfig", self.num_warps, self.num_stages)
+        if self.fold_combine and (self.flatten if self.down_flatten is None else self.down_flatten):
+            raise ValueError("MoEConfig.fold_combine needs a down kernel whose tile loop is not flattened "
+                             "(Triton 3.6 cannot flatten it with the fold's loop inside)")
         if self.down_num_warps is not None or self.down_num_stages is not None:
             _check_launch("MoEConfig", self.num_warps if self.down_num_warps is None else self.down_num_warps,
                           self.num_stages if self.down_num_stages is None else self.down_num_stages,

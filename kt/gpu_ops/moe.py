@@ -332,10 +332,11 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 def folds(config: MoEConfig, num_tokens: int, top_k: int) -> bool:
     """Whether fused_moe's sorted path folds the combine into the down GEMM for this call:
-    ``config.fold_combine``, or where that is None, up to FOLD_MAX_N token-slots (T*K)."""
+    ``config.fold_combine``, or where that is None, up to FOLD_MAX_N token-slots (T*K) when the
+    down's tile loop is not flattened (Triton 3.6 fails to compile the fold in a flattened loop)."""
     if config.fold_combine is not None:
         return config.fold_combine
-    return num_tokens * top_k <= FOLD_MAX_N
+    return num_tokens * top_k <= FOLD_MAX_N and not config.for_down().flatten
 
 
 def sorted_h_for(down_config) -> bool:
