@@ -223,15 +223,15 @@ def _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n, n_mask, I, stride_se, stride_s
 @triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, w_desc, s13_ptr, h_ptr,
-    sorted_ids_ptr, block_slot_ptr, num_padded_ptr, xs_ptr, done_ptr,
-    num_valid, H, I, top_k, num_done,
+    sorted_ids_ptr, block_slot_ptr, num_padded_ptr, xs_ptr,
+    num_valid, H, I, top_k,
     stride_xt, stride_xh, stride_xl,
     stride_we, stride_wn, stride_wh,
     stride_se, stride_sn,
     stride_hm, stride_hi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
-    UPCAST: tl.constexpr, A8: tl.constexpr, SORTED_H: tl.constexpr, DONE_P2: tl.constexpr,
+    UPCAST: tl.constexpr, A8: tl.constexpr, SORTED_H: tl.constexpr,
 ):
     """h[n, :] = silu(gate_s x_t) * (up_s x_t) for every token-slot n = t*K + k routed to slot s.
 
@@ -243,13 +243,7 @@ def gate_up_kernel(
     xs [T, 2] fp32, and the products run on int8 tensor cores (_gate_up_acc_a8); xs is not read
     otherwise. SORTED_H: h [P, I] in the sorted order instead (row r = sorted position r, padding rows
     left unwritten), so the down GEMM reads whole row blocks (down_kernel's SORTED_H).
-    DONE_P2 > 0: program 0 zeroes done[0 : num_done] (DONE_P2 >= num_done), the counters of a
-    down_kernel with FOLD, which runs after this kernel on the stream (so no memset launch).
     """
-    if DONE_P2 > 0:
-        if tl.program_id(0) == 0:
-            offs_d = tl.arange(0, DONE_P2)
-            tl.store(done_ptr + offs_d, tl.zeros((DONE_P2,), tl.int32), mask=offs_d < num_done)
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(I, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
@@ -285,16 +279,15 @@ def gate_up_kernel(
 @triton.jit
 def down_kernel(
     h_ptr, h_desc, w2_ptr, w_desc, s2_ptr, y_ptr, topk_w_ptr,
-    sorted_ids_ptr, block_slot_ptr, num_padded_ptr, slot_ptr, out_ptr, done_ptr,
-    num_valid, H, I, T,
+    sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
+    num_valid, H, I,
     stride_hm, stride_hi,
     stride_we, stride_wn, stride_wi,
     stride_se, stride_sn,
-    stride_ym, stride_yh, stride_ot, stride_oh,
+    stride_ym, stride_yh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
     UPCAST: tl.constexpr, SORTED_H: tl.constexpr, TMA_H: tl.constexpr,
-    FOLD: tl.constexpr, TOP_K: tl.constexpr, COMB_T: tl.constexpr,
 ):
     """y[n, :] = topk_w[n] * (w2_s @ h[n, :]) summed in fp32, stored in y's dtype (fp32, or bf16
     for a bf16 output), for every token-slot n routed to slot s.
@@ -307,21 +300,9 @@ def down_kernel(
     SORTED_H: h is [P, I] in the sorted order (gate_up_kernel's SORTED_H): a tile's rows are one
     contiguous block, read through h_desc (TMA_H: a TMA descriptor of h, [BLOCK_M, BLOCK_K] boxes) or
     pointers. H200, qwen3 int8 T=4096: 98.4 -> 88.2 us with TMA_H (benchmarks/gpu_sorted_a_probe.py).
-    FOLD: the combine too (no launch of its own): each tile counts itself done for its column block
-    in done [cdiv(H, BLOCK_N)] int32 (zero on entry: gate_up_kernel zeroes it), and the block's
-    last tile writes out [T, H] for those columns (_combine_cols, combine_kernel's sums in its
-    order, so the result is the same bit for bit). slot [N] int32 is align_by_slot's (-1 = not on
-    the GPU); TOP_K = K; COMB_T tokens per step of that sum. With no row block in use, the programs
-    write the zeros.
     """
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(H, BLOCK_N)
-    if FOLD:
-        if num_pid_m == 0:  # no token-slot on the GPU: out is all zeros (every slot reads -1)
-            for pn in range(tl.program_id(0), num_pid_n, tl.num_programs(0)):
-                cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-                _combine_cols(y_ptr, slot_ptr, out_ptr, cols, cols < H, T, stride_ym, stride_yh, stride_ot,
-                              stride_oh, TOP_K, COMB_T, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n, slot, offs_m, tok_slot, m_mask = _tile_rows(
             tile, num_pid_m, num_pid_n, block_slot_ptr, sorted_ids_ptr, num_valid, BLOCK_M, ALIGN_M, GROUP_M)
@@ -357,34 +338,6 @@ def down_kernel(
         acc = acc * rw[:, None]
         y_ptrs = y_ptr + row[:, None] * stride_ym + offs_n[None, :] * stride_yh
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-        if FOLD:
-            # every thread's stores above, then one acq_rel atomic for the tile: the column block's
-            # last tile then reads the other tiles' rows through L2 (.cg, past this SM's L1)
-            tl.debug_barrier()
-            if tl.atomic_add(done_ptr + pid_n, 1) == num_pid_m - 1:
-                _combine_cols(y_ptr, slot_ptr, out_ptr, offs_n, n_mask, T, stride_ym, stride_yh, stride_ot,
-                              stride_oh, TOP_K, COMB_T, BLOCK_N)
-
-
-@triton.jit
-def _combine_cols(y_ptr, slot_ptr, out_ptr, offs_n, n_mask, T, stride_ym, stride_yh, stride_ot, stride_oh,
-                  TOP_K: tl.constexpr, COMB_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t, offs_n] = sum over k with slot[t*K + k] >= 0 of y[t*K + k, offs_n] for every token t,
-    COMB_T tokens at a time, summed in fp32 in k order (combine_kernel's sums). The K slot loads
-    of a step, then its K row loads, go out together (no chain of dependent loads)."""
-    for t0 in range(0, T, COMB_T):
-        t = t0 + tl.arange(0, COMB_T)
-        t_ok = t < T
-        t64 = tl.where(t_ok, t, 0).to(tl.int64)
-        acc = tl.zeros((COMB_T, BLOCK_N), dtype=tl.float32)
-        for k in tl.static_range(TOP_K):
-            n = t64 * TOP_K + k
-            on = t_ok & (tl.load(slot_ptr + n, mask=t_ok, other=-1) >= 0)
-            v = tl.load(y_ptr + n[:, None] * stride_ym + offs_n[None, :] * stride_yh,
-                        mask=on[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg")
-            acc += v.to(tl.float32)
-        tl.store(out_ptr + t64[:, None] * stride_ot + offs_n[None, :] * stride_oh,
-                 acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & n_mask[None, :])
 
 
 @triton.jit

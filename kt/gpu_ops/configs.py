@@ -80,10 +80,6 @@ class MoEConfig:
     and runs on the int8 tensor cores, exact int32 sums, instead of converting every int8 weight
     tile to the compute dtype in the loop. Two int8 products cost what one bf16 product does, and
     the weight tiles go straight from memory to the tensor cores.
-
-    fold_combine: the down kernel's last tile of each column block sums the tokens' rows into the
-    output (no combine launch; same sums, same order). None: by T*K (``moe.folds``), where the
-    down's tile loop is not flattened (a flattened one cannot take it).
     """
 
     block_m: int = 64
@@ -101,13 +97,12 @@ class MoEConfig:
     flatten: bool = False
     down_flatten: bool | None = None
     a8: bool = False
-    down_block_m: int | None = None
-    fold_combine: bool | None = None  # last: configs are also built positionally
+    down_block_m: int | None = None  # last: configs are also built positionally
 
     def __post_init__(self):
-        for f in ("tma", "flatten", "down_flatten", "a8", "fold_combine"):
+        for f in ("tma", "flatten", "down_flatten", "a8"):
             v = getattr(self, f)
-            if not (isinstance(v, bool) or (v is None and f in ("down_flatten", "fold_combine"))):
+            if not (isinstance(v, bool) or (v is None and f == "down_flatten")):
                 raise ValueError(f"MoEConfig.{f} must be a bool, got {v!r}")
         _check_pow2("MoEConfig", self, ("block_m", "block_n", "block_k"), 16)
         _check_pow2("MoEConfig", self, [f for f in ("down_block_m", "down_block_n", "down_block_k")
@@ -117,9 +112,6 @@ class MoEConfig:
             if (v is not None or f == "group_m") and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"MoEConfig.{f} must be a positive int, got {v!r}")
         _check_launch("MoEConfig", self.num_warps, self.num_stages)
-        if self.fold_combine and (self.flatten if self.down_flatten is None else self.down_flatten):
-            raise ValueError("MoEConfig.fold_combine needs a down kernel whose tile loop is not flattened "
-                             "(Triton 3.6 cannot flatten it with the fold's loop inside)")
         if self.down_num_warps is not None or self.down_num_stages is not None:
             _check_launch("MoEConfig", self.num_warps if self.down_num_warps is None else self.down_num_warps,
                           self.num_stages if self.down_num_stages is None else self.down_num_stages,

@@ -23,7 +23,7 @@ import torch
 from .configs import DirectConfig, MoEConfig, pick_config, table_for_device
 
 __all__ = ["fused_moe", "align_by_slot", "gate_up", "down", "combine", "direct_gate_up", "direct_down",
-           "act_quant2", "y_dtype_for", "sorted_h_for", "kernels_interpreted", "folds", "FOLD_MAX_N"]
+           "act_quant2", "y_dtype_for", "sorted_h_for", "kernels_interpreted"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -56,11 +56,6 @@ _ACT_QUANT_ELEMS = 4096
 _ACT_QUANT_WARPS = 4
 _ACT_QUANT_ROW_MAX = 8192
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
-# Token-slots (T*K) up to which the sorted path folds the combine into the down GEMM by default
-# (MoEConfig.fold_combine None), and the tokens the folded sum takes per step. The column block's
-# last down tile sums every token, so the fold trades a launch for a serial tail that grows with T.
-FOLD_MAX_N = 512
-_FOLD_TOKENS = 16
 # h between the GEMMs in sorted order (row blocks read by TMA) when the down's weights come by TMA;
 # else by token-slot (gathered rows). None: by the config; tests force either (_forced_sorted_h).
 _SORTED_H = None
@@ -319,24 +314,11 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     programs = _INTERPRETER_PROGRAMS if interp else _PROGRAMS_PER_SM * _num_sms(_dev_index(x.device))
     dcfg = config.for_down()
     sh = sorted_h_for(dcfg)
-    # the down GEMM's last tile per column block sums the tokens (no combine launch) where folded
-    done = torch.empty(-(-h // dcfg.block_n), dtype=torch.int32, device=x.device) if folds(config, t, k) else None
-    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align, sh,
-                   done=done)
+    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align, sh)
     y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, dcfg, programs,
-             y_dtype_for(out.dtype), align, sh, fold=None if done is None else (slot32, out, done))
-    if done is None:
-        combine(y, slot32, out)
+             y_dtype_for(out.dtype), align, sh)
+    combine(y, slot32, out)
     return out
-
-
-def folds(config: MoEConfig, num_tokens: int, top_k: int) -> bool:
-    """Whether fused_moe's sorted path folds the combine into the down GEMM for this call:
-    ``config.fold_combine``, or where that is None, up to FOLD_MAX_N token-slots (T*K) when the
-    down's tile loop is not flattened (Triton 3.6 fails to compile the fold in a flattened loop)."""
-    if config.fold_combine is not None:
-        return config.fold_combine
-    return num_tokens * top_k <= FOLD_MAX_N and not config.for_down().flatten
 
 
 def sorted_h_for(down_config) -> bool:
@@ -416,11 +398,10 @@ def _align_of(config, align_m):
 
 
 def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config, compute_dtype, programs,
-            align_m=None, sorted_h=False, done=None):
+            align_m=None, sorted_h=False):
     """h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left unwritten).
     align_m: the block size align_by_slot ran with (default config.block_m; a multiple of it).
-    sorted_h: h [P, I] in sorted_ids' order instead (padding rows unwritten), for ``down(sorted_h=True)``.
-    done: an int32 tensor the kernel zeroes (the counters of a folded ``down``), or None."""
+    sorted_h: h [P, I] in sorted_ids' order instead (padding rows unwritten), for ``down(sorted_h=True)``."""
     kern = _kernels()
     t = x.shape[0]
     n = t * top_k
@@ -439,16 +420,15 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
     s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
     wd, tma = _weight_desc(w13, config)
     align_m = _align_of(config, align_m)
-    n_done = 0 if done is None else done.numel()
     kern.gate_up_kernel[_grid(block_slot, inter, config, programs, align_m)](
-        xc, w13, wd, s13, hbuf, sorted_ids, block_slot, num_padded, xs, sorted_ids if done is None else done,
-        n, x.shape[1], inter, top_k, n_done,
+        xc, w13, wd, s13, hbuf, sorted_ids, block_slot, num_padded, xs,
+        n, x.shape[1], inter, top_k,
         *xc_strides, w13.stride(0), w13.stride(1), w13.stride(2),
         *s13_strides, hbuf.stride(0), hbuf.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype],
-        UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, DONE_P2=_np2(n_done) if n_done else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return hbuf
 
 
@@ -471,13 +451,11 @@ def act_quant2(x, elems: int = _ACT_QUANT_ELEMS, num_warps: int = _ACT_QUANT_WAR
 
 
 def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs,
-         y_dtype=torch.float32, align_m=None, sorted_h=False, fold=None):
+         y_dtype=torch.float32, align_m=None, sorted_h=False):
     """y [N, H] (y_dtype: fp32, or bf16 to halve the combine's reads) = topk_weight * (w2 @ h),
     summed in fp32, per GPU token-slot (other rows left unwritten).
     config: the down kernel's own (MoEConfig.for_down()); align_m as for gate_up; sorted_h: hbuf is
-    gate_up(sorted_h=True)'s [P, I] (its row blocks are read by TMA where the config's weights are).
-    fold: (slot32, out [T, H], done) to write ``combine(y, slot32, out)``'s result too, in this
-    launch (done: cdiv(H, config.block_n) int32 counters, zeroed by gate_up(done=done))."""
+    gate_up(sorted_h=True)'s [P, I] (its row blocks are read by TMA where the config's weights are)."""
     kern = _kernels()
     n = topk_weights.numel()
     inter = hbuf.shape[1]
@@ -490,22 +468,14 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
     wd, tma = _weight_desc(w2, config)
     hd, tma_h = _act_desc(hbuf, config) if sorted_h and tma else (hbuf, False)
     align_m = _align_of(config, align_m)
-    if fold is None:
-        slot32, out, done, t = sorted_ids, y, sorted_ids, 0  # any tensors: not read without FOLD
-    else:
-        slot32, out, done = fold
-        t = out.shape[0]
-        if done.numel() != -(-h // config.block_n) or slot32.numel() != n or out.shape[1] != h:
-            raise ValueError("down: fold's done must hold cdiv(H, block_n) counters, slot32 N and out H")
     kern.down_kernel[_grid(block_slot, h, config, programs, align_m)](
-        hbuf, hd, w2, wd, s2, y, rw, sorted_ids, block_slot, num_padded, slot32, out, done,
-        n, h, inter, t,
+        hbuf, hd, w2, wd, s2, y, rw, sorted_ids, block_slot, num_padded,
+        n, h, inter,
         hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        *s2_strides, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+        *s2_strides, y.stride(0), y.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype],
-        UPCAST=kernels_interpreted(), SORTED_H=sorted_h, TMA_H=tma_h, FOLD=fold is not None,
-        TOP_K=n // max(t, 1) if fold is not None else 1, COMB_T=_FOLD_TOKENS, num_warps=config.num_warps,
+        UPCAST=kernels_interpreted(), SORTED_H=sorted_h, TMA_H=tma_h, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return y
 

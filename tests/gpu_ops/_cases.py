@@ -109,11 +109,9 @@ def _fused_check(device, t, e, k, h, i, e2s_list, dtype, seed, skip_frac, config
     return err
 
 
-def routed_case(device, ids_list, e2s_list, h, i, seed, config=None):
-    """Fixed routing (ids may be -1); fp32, so the bound is tight. Returns the output. config: a
-    config dict to force."""
+def routed_case(device, ids_list, e2s_list, h, i, seed):
+    """Fixed routing (ids may be -1); fp32, so the bound is tight. Returns the output."""
     from kt.gpu_ops import fused_moe
-    from kt.gpu_ops.configs import config_from_dict
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.tensor(ids_list, dtype=torch.int64)
@@ -126,8 +124,7 @@ def routed_case(device, ids_list, e2s_list, h, i, seed, config=None):
     w13, w2 = w13[:s], w2[:s]
     full13, full2, skip = full_weights(e2s, w13.numpy(), w2.numpy())
     ref = R.moe_forward(x, ids, w, full13, full2, skip_mask=skip)
-    out = fused_moe(x.to(device), ids.to(device), w.to(device), e2s.to(device), w13.to(device), w2.to(device),
-                    config=None if config is None else config_from_dict(config))
+    out = fused_moe(x.to(device), ids.to(device), w.to(device), e2s.to(device), w13.to(device), w2.to(device))
     tol = 1e-5 if device == "cpu" else GPU_F32_TOL
     assert_close(ref, out, rtol=tol, atol=tol * (float(np.abs(ref).max()) or 1.0), what="routed case")
     return out.cpu()
@@ -331,46 +328,3 @@ def sorted_h_case(device, t, e, k, h, i, e2s_list, dtype, seed, config):
     rows = (slot32 >= 0).nonzero().flatten()
     assert torch.isfinite(ys[True][rows]).all(), "a padding row of h reached y"
     assert torch.equal(ys[False][rows], ys[True][rows]), "down: sorted h differs from h by token-slot"
-
-
-def fold_case(device, t, e, k, h, i, e2s_list, dtype, seed, config, skip_frac=0.1):
-    """The combine folded into the down GEMM (MoEConfig.fold_combine) against its own launch: the
-    same sums in the same order, so the outputs are bit-identical (and match the reference,
-    _fused_check); the fold's counters start from garbage, as a reused buffer would."""
-    from kt.gpu_ops import fused_moe, moe
-    from kt.gpu_ops.configs import config_from_dict
-
-    gen = torch.Generator().manual_seed(seed)
-    e2s = torch.tensor(e2s_list, dtype=torch.int32)
-    s = int(e2s.max()) + 1
-    ids, w = routing(gen, t, e, k, skip_frac)
-    x = torch.randn(t, h, generator=gen).to(torch.bfloat16 if dtype != "fp32" else torch.float32)
-    w13, w2 = weights(s, h, i, seed)
-    kw = {}
-    if dtype == "int8":
-        w13, s13, _ = quant_int8(w13)
-        w2, s2, _ = quant_int8(w2)
-        kw = dict(w13_scale=s13.to(device), w2_scale=s2.to(device))
-    elif dtype == "bf16":
-        w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
-    x, ids, w, e2s, w13, w2 = (v.to(device) for v in (x, ids, w, e2s, w13, w2))
-    outs = {}
-    for on in (False, True):
-        cfg = config_from_dict(dict(config, fold_combine=on))
-        assert moe.folds(cfg, t, k) is on
-        outs[on] = fused_moe(x, ids, w, e2s, w13, w2, config=cfg, **kw)
-    assert torch.equal(outs[False], outs[True]), "fused_moe: the folded combine differs from its launch"
-    # the down kernel alone with counters full of garbage that gate_up(done=...) zeroes
-    cfg = config_from_dict(dict(config, fold_combine=True))
-    slot32, sid, bsl, npad = moe.align_by_slot(ids, e2s, s, cfg.align_m)
-    progs = moe._INTERPRETER_PROGRAMS if device == "cpu" else 4 * moe._num_sms(0)
-    dcfg = cfg.for_down()
-    done = torch.full((-(-h // dcfg.block_n),), 12345, dtype=torch.int32, device=device)
-    out = torch.full((t, h), float("nan"), dtype=x.dtype, device=device)
-    cdt = torch.float32 if dtype == "fp32" else torch.bfloat16
-    hb = moe.gate_up(x, w13, kw.get("w13_scale"), sid, bsl, npad, k, cfg, cdt, progs, cfg.align_m, done=done)
-    assert not done.any(), "gate_up left the fold counters unzeroed"
-    moe.down(hb, w2, kw.get("w2_scale"), w, sid, bsl, npad, dcfg, progs, moe.y_dtype_for(x.dtype), cfg.align_m,
-             fold=(slot32, out, done))
-    assert torch.equal(out, outs[True]), "down(fold=...) differs from fused_moe's folded output"
-    return outs[True].cpu()

@@ -95,44 +95,6 @@ def test_sorted_h_is_bit_identical(run_case, cfg, t, k, h, i, dtype):
     run_case(_cases.sorted_h_case, t, 8, k, h, i, E2S_A, dtype, 800 + t + k, dict(group_m=2, **cfg))
 
 
-@pytest.mark.parametrize("cfg,t,k,h,i,dtype", [
-    # the combine folded into the down GEMM: several tiles per column block and per program (the
-    # interpreter runs 3 programs), H not a multiple of the down's columns, T not of the fold's 16
-    # tokens per step, int8 / bf16 / fp32 outputs, TMA and sorted h, its own down row blocks
-    (dict(block_m=16, block_n=32, block_k=32, down_block_n=32), 37, 4, 96, 80, "bf16"),
-    (dict(block_m=16, block_n=16, block_k=64, down_block_n=64, tma=True, flatten=True, down_flatten=False), 9, 3,
-     160, 48, "int8"),
-    (dict(block_m=16, down_block_m=32, block_n=32, block_k=64, down_block_n=16), 21, 2, 72, 40, "fp32"),
-    (dict(block_m=32, block_n=64, block_k=32, a8=True), 17, 8, 64, 96, "int8"),
-])
-def test_folded_combine_is_bit_identical(run_case, cfg, t, k, h, i, dtype):
-    run_case(_cases.fold_case, t, 8, k, h, i, E2S_A, dtype, 900 + t + k, dict(group_m=2, **cfg))
-
-
-def test_folded_combine_with_no_gpu_rows_writes_zeros(run_case):
-    # every id skipped or on the CPU: no row block in use, so no tile runs; the programs write zeros
-    cfg = dict(SORTED_SMALL, fold_combine=True)
-    out = run_case(_cases.routed_case, [[-1, 1]] * 5, [0, -1, -1], 64, 32, 3, cfg)
-    assert torch.equal(out, torch.zeros(5, 64))
-
-
-def test_fold_default_by_token_slots():
-    from kt.gpu_ops import moe
-    from kt.gpu_ops.configs import MoEConfig
-
-    assert moe.folds(MoEConfig(), moe.FOLD_MAX_N // 8, 8)
-    assert not moe.folds(MoEConfig(), moe.FOLD_MAX_N // 8 + 1, 8)
-    assert moe.folds(MoEConfig(fold_combine=True), 4096, 8)
-    assert not moe.folds(MoEConfig(fold_combine=False), 1, 8)
-    with pytest.raises(ValueError, match="fold_combine must be a bool"):
-        MoEConfig(fold_combine=1)
-    # a flattened down loop cannot take the fold: never by default, an error when asked for
-    assert not moe.folds(MoEConfig(flatten=True), 1, 8)
-    assert moe.folds(MoEConfig(flatten=True, down_flatten=False), 1, 8)
-    with pytest.raises(ValueError, match="not flattened"):
-        MoEConfig(down_flatten=True, fold_combine=True)
-
-
 # (rows per program: 8 at H=64, 2 at H=1500 (37 rows: a partial last program), 1 at H=2500; H=9000
 # is read in three passes)
 @pytest.mark.parametrize("t,h,dtype", [(5, 64, "fp32"), (37, 1500, "fp32"), (6, 2500, "fp32"), (4, 96, "bf16"),
