@@ -52,7 +52,7 @@ def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, w_desc, g_row, I, row_mask, col_mask, H, stride_xh, stride_wh,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TMA_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr, EVICT_W: tl.constexpr = False):
+                 TMA_W: tl.constexpr, CT: tl.constexpr, UPCAST: tl.constexpr):
     """Gate and up accumulators [ROWS, BLOCK_N] of the gathered activation rows (a_ptrs, rows where
     row_mask) against the weight tiles (g_ptrs / u_ptrs: [BLOCK_K, BLOCK_N], columns where
     col_mask), over all of H. TMA_W: the weight tiles come from w_desc instead, a TMA descriptor of
@@ -72,41 +72,14 @@ def _gate_up_acc(a_ptrs, g_ptrs, u_ptrs, w_desc, g_row, I, row_mask, col_mask, H
             acc_g = tl.dot(a, tl.trans(_cast(bg, CT, UPCAST)), acc_g)
             acc_u = tl.dot(a, tl.trans(_cast(bu, CT, UPCAST)), acc_u)
         else:
-            if EVICT_W:  # read once: first out of L2, before what _prefetch_l2 brought in
-                bg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0, eviction_policy="evict_first")
-                bu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0, eviction_policy="evict_first")
-            else:
-                bg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             acc_g = tl.dot(a, _cast(bg, CT, UPCAST), acc_g)
             acc_u = tl.dot(a, _cast(bu, CT, UPCAST), acc_u)
         a_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
     return acc_g, acc_u
-
-
-@triton.jit
-def _prefetch_l2(base_ptr, slot, part, parts, slot_bytes, MODE: tl.constexpr, LANES: tl.constexpr):
-    """Ask L2 for part ``part`` of ``parts`` of slot ``slot``'s bytes [slot * slot_bytes, +slot_bytes)
-    of base_ptr (a byte pointer; slot_bytes a multiple of 16), LANES bulk prefetches
-    (cp.async.bulk.prefetch.L2, sm_90), each a multiple of 16 bytes. MODE 2: with an evict_last
-    cache policy. Nothing waits for them."""
-    chunk = tl.cdiv(tl.cdiv(slot_bytes, parts), LANES * 16) * 16  # bytes per lane
-    lane = tl.arange(0, LANES)
-    off = (part * LANES + lane).to(tl.int64) * chunk
-    size = (tl.minimum(chunk, tl.maximum(slot_bytes - off, 0)) // 16 * 16).to(tl.int32)
-    ptrs = base_ptr + slot * slot_bytes + off
-    if MODE == 2:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 pol; setp.ne.s32 p, $2, 0; "
-            "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -250,8 +223,8 @@ def _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n, n_mask, I, stride_se, stride_s
 @triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, w_desc, s13_ptr, h_ptr,
-    sorted_ids_ptr, block_slot_ptr, num_padded_ptr, xs_ptr, w2b_ptr,
-    num_valid, H, I, top_k, w2_slot_bytes,
+    sorted_ids_ptr, block_slot_ptr, num_padded_ptr, xs_ptr,
+    num_valid, H, I, top_k,
     stride_xt, stride_xh, stride_xl,
     stride_we, stride_wn, stride_wh,
     stride_se, stride_sn,
@@ -259,8 +232,6 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
     UPCAST: tl.constexpr, A8: tl.constexpr, SORTED_H: tl.constexpr,
-    PF_DOWN: tl.constexpr = 0, EVICT_W: tl.constexpr = False, PF_LANES: tl.constexpr = 128,
-    PF_END: tl.constexpr = False,
 ):
     """h[n, :] = silu(gate_s x_t) * (up_s x_t) for every token-slot n = t*K + k routed to slot s.
 
@@ -282,8 +253,6 @@ def gate_up_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < I
         offs_k = tl.arange(0, BLOCK_K)
-        if PF_DOWN > 0 and not PF_END:  # this tile's share of its slot's down weights, into L2
-            _prefetch_l2(w2b_ptr, slot, pid_n, num_pid_n, w2_slot_bytes, PF_DOWN, PF_LANES)
 
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
         g_ptrs = w13_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
@@ -299,9 +268,7 @@ def gate_up_kernel(
         else:
             acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I, m_mask,
                                         n_mask, H, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, CT,
-                                        UPCAST, EVICT_W)
-        if PF_DOWN > 0 and PF_END:
-            _prefetch_l2(w2b_ptr, slot, pid_n, num_pid_n, w2_slot_bytes, PF_DOWN, PF_LANES)
+                                        UPCAST)
         h = _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n[None, :], n_mask[None, :], I, stride_se, stride_sn,
                      INT8_W)
         h_row = offs_m.to(tl.int64) if SORTED_H else tl.where(m_mask, tok_slot, 0).to(tl.int64)

@@ -56,11 +56,6 @@ _ACT_QUANT_ELEMS = 4096
 _ACT_QUANT_WARPS = 4
 _ACT_QUANT_ROW_MAX = 8192
 _INTERPRETER_PROGRAMS = 3  # under the interpreter: a few programs, so each loops over several tiles
-# Experiment (session 26): the gate+up tiles ask L2 for their slot's down weights (0 off, 1 bulk
-# prefetch, 2 with an evict_last policy), and load their own weights evict_first.
-_PF_DOWN = 0
-_EVICT_W = False
-_PF_END = False
 # h between the GEMMs in sorted order (row blocks read by TMA) when the down's weights come by TMA;
 # else by token-slot (gathered rows). None: by the config; tests force either (_forced_sorted_h).
 _SORTED_H = None
@@ -319,8 +314,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     programs = _INTERPRETER_PROGRAMS if interp else _PROGRAMS_PER_SM * _num_sms(_dev_index(x.device))
     dcfg = config.for_down()
     sh = sorted_h_for(dcfg)
-    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align, sh,
-                   w2=w2)
+    hbuf = gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, k, config, cdt, programs, align, sh)
     y = down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, dcfg, programs,
              y_dtype_for(out.dtype), align, sh)
     combine(y, slot32, out)
@@ -404,7 +398,7 @@ def _align_of(config, align_m):
 
 
 def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config, compute_dtype, programs,
-            align_m=None, sorted_h=False, w2=None):
+            align_m=None, sorted_h=False):
     """h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left unwritten).
     align_m: the block size align_by_slot ran with (default config.block_m; a multiple of it).
     sorted_h: h [P, I] in sorted_ids' order instead (padding rows unwritten), for ``down(sorted_h=True)``."""
@@ -426,20 +420,15 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
     s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
     wd, tma = _weight_desc(w13, config)
     align_m = _align_of(config, align_m)
-    pf = _PF_DOWN if (w2 is not None and not kernels_interpreted() and w2.is_contiguous()
-                      and (w2[0].numel() * w2.element_size()) % 16 == 0) else 0
-    w2b = w2.view(torch.uint8) if pf else sorted_ids  # (any tensor when not read)
-    slot_bytes = w2[0].numel() * w2.element_size() if pf else 0
     kern.gate_up_kernel[_grid(block_slot, inter, config, programs, align_m)](
-        xc, w13, wd, s13, hbuf, sorted_ids, block_slot, num_padded, xs, w2b,
-        n, x.shape[1], inter, top_k, slot_bytes,
+        xc, w13, wd, s13, hbuf, sorted_ids, block_slot, num_padded, xs,
+        n, x.shape[1], inter, top_k,
         *xc_strides, w13.stride(0), w13.stride(1), w13.stride(2),
         *s13_strides, hbuf.stride(0), hbuf.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype],
-        UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, PF_DOWN=pf,
-        EVICT_W=_EVICT_W and not kernels_interpreted(), PF_LANES=32 * config.num_warps, PF_END=_PF_END,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return hbuf
 
 
