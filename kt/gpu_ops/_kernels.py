@@ -231,7 +231,7 @@ def gate_up_kernel(
     stride_hm, stride_hi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
-    UPCAST: tl.constexpr, A8: tl.constexpr, SORTED_H: tl.constexpr, TILED: tl.constexpr = False,
+    UPCAST: tl.constexpr, A8: tl.constexpr, SORTED_H: tl.constexpr,
 ):
     """h[n, :] = silu(gate_s x_t) * (up_s x_t) for every token-slot n = t*K + k routed to slot s.
 
@@ -255,11 +255,7 @@ def gate_up_kernel(
         offs_k = tl.arange(0, BLOCK_K)
 
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-        if TILED:  # experiment: w13 tile-major [S, 2I/BLOCK_N, H/BLOCK_K, BLOCK_N, BLOCK_K]
-            g_ptrs = (w13_ptr + slot * stride_we + pid_n * (BLOCK_N * H) + tl.arange(0, BLOCK_N)[None, :] * BLOCK_K
-                      + offs_k[:, None])
-        else:
-            g_ptrs = w13_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
+        g_ptrs = w13_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
         g_row = (slot * 2 * I + pid_n * BLOCK_N).to(tl.int32)  # TMA_W: in the [S*2I, H] view
         if A8:
             g1, g2, u1, u2 = _gate_up_acc_a8(a_ptrs, stride_xl, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I,
@@ -270,7 +266,7 @@ def gate_up_kernel(
             acc_g = g1.to(tl.float32) * xs1 + g2.to(tl.float32) * xs2
             acc_u = u1.to(tl.float32) * xs1 + u2.to(tl.float32) * xs2
         else:
-            acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + (I * H if TILED else I * stride_wn), w_desc, g_row, I, m_mask,
+            acc_g, acc_u = _gate_up_acc(a_ptrs, g_ptrs, g_ptrs + I * stride_wn, w_desc, g_row, I, m_mask,
                                         n_mask, H, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, TMA_W, CT,
                                         UPCAST)
         h = _silu_up(acc_g, acc_u, s13_ptr, slot, offs_n[None, :], n_mask[None, :], I, stride_se, stride_sn,
@@ -291,7 +287,7 @@ def down_kernel(
     stride_ym, stride_yh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_M: tl.constexpr, INT8_W: tl.constexpr, TMA_W: tl.constexpr, FLATTEN: tl.constexpr, CT: tl.constexpr,
-    UPCAST: tl.constexpr, SORTED_H: tl.constexpr, TMA_H: tl.constexpr, TILED: tl.constexpr = False,
+    UPCAST: tl.constexpr, SORTED_H: tl.constexpr, TMA_H: tl.constexpr,
 ):
     """y[n, :] = topk_w[n] * (w2_s @ h[n, :]) summed in fp32, stored in y's dtype (fp32, or bf16
     for a bf16 output), for every token-slot n routed to slot s.
@@ -317,11 +313,7 @@ def down_kernel(
 
         h_row = offs_m.to(tl.int64) if SORTED_H else row
         a_ptrs = h_ptr + h_row[:, None] * stride_hm + offs_k[None, :] * stride_hi
-        if TILED:  # experiment: w2 tile-major [S, H/BLOCK_N, I/BLOCK_K, BLOCK_N, BLOCK_K]
-            b_ptrs = (w2_ptr + slot * stride_we + pid_n * (BLOCK_N * I) + tl.arange(0, BLOCK_N)[None, :] * BLOCK_K
-                      + offs_k[:, None])
-        else:
-            b_ptrs = w2_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wi
+        b_ptrs = w2_ptr + slot * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wi
         w_row = (slot * H + pid_n * BLOCK_N).to(tl.int32)  # TMA_W: in the [S*H, I] view
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(I, BLOCK_K)):

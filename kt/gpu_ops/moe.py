@@ -397,15 +397,8 @@ def _align_of(config, align_m):
     return align_m
 
 
-def tile_major(w, block_n, block_k):
-    """Experiment: w [S, R, C] -> [S, R/block_n, C/block_k, block_n, block_k] contiguous (each
-    kernel tile one contiguous run of memory)."""
-    s, r, c = w.shape
-    return w.reshape(s, r // block_n, block_n, c // block_k, block_k).permute(0, 1, 3, 2, 4).contiguous()
-
-
 def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config, compute_dtype, programs,
-            align_m=None, sorted_h=False, w13t=None):
+            align_m=None, sorted_h=False):
     """h [N, I] = silu(gate x) * up x per GPU token-slot (rows of CPU token-slots are left unwritten).
     align_m: the block size align_by_slot ran with (default config.block_m; a multiple of it).
     sorted_h: h [P, I] in sorted_ids' order instead (padding rows unwritten), for ``down(sorted_h=True)``."""
@@ -427,15 +420,14 @@ def gate_up(x, w13, w13_scale, sorted_ids, block_slot, num_padded, top_k, config
     s13_strides = (s13.stride(0), s13.stride(1)) if int8w else (0, 0)
     wd, tma = _weight_desc(w13, config)
     align_m = _align_of(config, align_m)
-    tiled = w13t is not None
     kern.gate_up_kernel[_grid(block_slot, inter, config, programs, align_m)](
-        xc, w13t if tiled else w13, wd, s13, hbuf, sorted_ids, block_slot, num_padded, xs,
+        xc, w13, wd, s13, hbuf, sorted_ids, block_slot, num_padded, xs,
         n, x.shape[1], inter, top_k,
-        *xc_strides, w13.stride(0), w13.stride(1), config.block_n if tiled else w13.stride(2),
+        *xc_strides, w13.stride(0), w13.stride(1), w13.stride(2),
         *s13_strides, hbuf.stride(0), hbuf.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[compute_dtype],
-        UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, TILED=tiled, num_warps=config.num_warps,
+        UPCAST=kernels_interpreted(), A8=a8, SORTED_H=sorted_h, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return hbuf
 
@@ -459,7 +451,7 @@ def act_quant2(x, elems: int = _ACT_QUANT_ELEMS, num_warps: int = _ACT_QUANT_WAR
 
 
 def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, config, programs,
-         y_dtype=torch.float32, align_m=None, sorted_h=False, w2t=None):
+         y_dtype=torch.float32, align_m=None, sorted_h=False):
     """y [N, H] (y_dtype: fp32, or bf16 to halve the combine's reads) = topk_weight * (w2 @ h),
     summed in fp32, per GPU token-slot (other rows left unwritten).
     config: the down kernel's own (MoEConfig.for_down()); align_m as for gate_up; sorted_h: hbuf is
@@ -476,15 +468,14 @@ def down(hbuf, w2, w2_scale, topk_weights, sorted_ids, block_slot, num_padded, c
     wd, tma = _weight_desc(w2, config)
     hd, tma_h = _act_desc(hbuf, config) if sorted_h and tma else (hbuf, False)
     align_m = _align_of(config, align_m)
-    tiled = w2t is not None
     kern.down_kernel[_grid(block_slot, h, config, programs, align_m)](
-        hbuf, hd, w2t if tiled else w2, wd, s2, y, rw, sorted_ids, block_slot, num_padded,
+        hbuf, hd, w2, wd, s2, y, rw, sorted_ids, block_slot, num_padded,
         n, h, inter,
-        hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), config.block_n if tiled else w2.stride(2),
+        hbuf.stride(0), hbuf.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         *s2_strides, y.stride(0), y.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_M=align_m, INT8_W=int8w, TMA_W=tma, FLATTEN=config.flatten, CT=_CT[hbuf.dtype],
-        UPCAST=kernels_interpreted(), SORTED_H=sorted_h, TMA_H=tma_h, TILED=tiled, num_warps=config.num_warps,
+        UPCAST=kernels_interpreted(), SORTED_H=sorted_h, TMA_H=tma_h, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return y
 
