@@ -33,7 +33,7 @@ def interleaved_rounds(cases: dict, rounds: int, between=None, reps: int = 5):
 def amx_int8_peak(K, iters: int = 200000, bf16: bool = False, zero: bool = True) -> float:
     """The tile-resident int8 rate of this core now, TOPS (K: kt.cpu_ops.kernels_amx); bf16: the
     bf16 rate, TFLOPS. zero: on zeroed tiles (the highest rate); False: on random tiles, the data
-    a GEMM multiplies (dev, session 26: 0.88-0.89x the zero-tile rate)."""
+    a GEMM multiplies (dev, session 26: 0.85-0.95x the zero-tile rate)."""
     t0 = time.perf_counter()
     ops = (K.peak_bf16 if bf16 else K.peak_int8)(iters, zero)
     return ops / (time.perf_counter() - t0) / 1e12

@@ -293,7 +293,7 @@ def measure_peaks(variants: list[str]) -> dict:
     return peaks
 
 
-def peaks_random(scheme: QuantScheme, variant: str, peaks: dict) -> float | None:
+def random_peak_for(scheme: QuantScheme, variant: str, peaks: dict) -> float | None:
     """The AMX tile-resident rate on random tiles (ops/s) for an AMX kernel, else None."""
     if variant != "amx":
         return None
@@ -522,7 +522,7 @@ def main(argv=None) -> int:
                     peak = peak_for(scheme, r["variant"], res["peaks"])
                     roof = max(r["weight_bytes"] / bw1, opsn / peak if peak else 0.0)
                     r["roofline_frac"] = roof / t
-                    rpeak = peaks_random(scheme, r["variant"], res["peaks"])
+                    rpeak = random_peak_for(scheme, r["variant"], res["peaks"])
                     if rpeak:
                         r["peak_frac_random_tiles"] = opsn / rpeak / t
                     if r["arena_read_GBps"]:

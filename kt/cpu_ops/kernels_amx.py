@@ -68,7 +68,7 @@ cache.install()
 _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8/BF16 bodies (unused)
 _NO_SCALE = np.zeros((1, 1, 16), np.float32)  # INT4 group scales of a call that does not read them
 
-__all__ = ["gemv_int8", "gemm_int8", "gemm_int8_shared_out", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16",
+__all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16", "gemm_int8_shared_out",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
            "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int8_staged",
            "gemm_bf16_staged", "gemm_int4_staged", "gemm_int4_inline", "gemm_int4_ratio",

@@ -49,6 +49,7 @@ d4, sc4 = t((1, 8, 16, 4), np.uint8), t((1, 1, 16), np.float32)
 xb, db = t((2, 64), np.uint16), t((1, 32, 16, 2), np.uint16)
 sigs = {"gemv_int8": (xq, xs, d8, sc, ws, out, i64, i64),
         "gemm_int8": (xq, xs, d8, sc, ws, out, i64, i64),
+        "gemm_int8_shared_out": (xq, xs, d8, sc, ws, out, i64, i64),
         "gemv_int4": (xq, xs, d4, sc4, i64, out, i64, i64),
         "gemm_int4": (xq, xs, d4, sc4, i64, out, i64, i64),
         "gemv_bf16": (xb, db, out, i64, i64),
@@ -79,7 +80,7 @@ def test_amx_kernels_compile_to_tile_instructions(tmp_path):
     assert proc.returncode == 0, f"compile-only subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
     res = json.loads(line[len("RESULT"):])
-    for name in ("gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4"):
+    for name in ("gemv_int8", "gemm_int8", "gemm_int8_shared_out", "gemv_int4", "gemm_int4"):
         c = res[name]
         assert c["tdpbssd"] > 0 and c["tdpbf16ps"] == 0, (name, c)
     for name in ("gemv_bf16", "gemm_bf16"):
