@@ -58,8 +58,9 @@ def _cases(K, scheme, m, n, d, rng):
     xq, xs = R.quantize_act(x)
     mc = K.default_mc(d)
     if scheme == "int8":
-        # "staged kc16": gemm_int8's settings (no output prefetch for writing since session 26; "pfw":
-        # gemm_int8_shared_out, the MoE layer's form)
+        # "staged kc16": gemm_int8's settings where M exceeds one M chunk (at M=512; below, gemm_int8
+        # does not slice K), no output prefetch for writing since session 26; "pfw": the MoE layer's
+        # form (gemm_int8_shared_out); "gemm_int8": the shipped call itself, at any M
         c = {"pipe": lambda: K.gemm_int8_pipe(xq, xs, data, p.scale, out, 0, nb, mc, 0, 2, True)}
         for kcs in (8, 16, 32):
             c[f"staged kc{kcs}"] = lambda kcs=kcs: K.gemm_int8_staged(xq, xs, data, p.scale, out, 0, nb, mc,
