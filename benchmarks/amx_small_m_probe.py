@@ -10,8 +10,8 @@ computed once beforehand), ``int4_keep`` (the inline kernel at any M in keep mod
 runs it up to 128 rows, the ratios computed beforehand), ``int4_lazy`` (``gemm_int4``'s inline
 path, the ratios made pair by pair, on preallocated ratio tables),
 ``unpack`` (only the nibble unpacking of every block pair with its next-pair prefetch, as the
-ratio kernels do it, no tiles; ``unpack_div`` the same with each line's group found by a
-division, as before session 10) and ``ratios`` (only
+ratio kernels do it, no tiles; ``unpack_line`` the same with the per-line 8-bit multiply the
+kernels used before session 27) and ``ratios`` (only
 ``_int4_ratios``); ``*_warm``: the same on the thread's first copy every call. A thread's round
 of calls runs in one jitted loop (before session 20 each call came from Python, and with 16
 threads the GIL hand-offs added ~150 us per call). Rounds interleave the parts; min and median us
@@ -82,16 +82,20 @@ def kernels():
             K._int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True, True, scale, True)
 
     @njit(nogil=True)
-    def unpack(C, rx, bs, div, calls, warm):
-        # the ratio kernel's unpacking of every block pair, its next-pair prefetch included;
-        # div: each line's group found as j // lpg (the kernel before session 10)
+    def unpack(C, rx, bs, line, calls, warm):
+        # the ratio kernel's unpacking of every block pair (``_unpack_pair_ratio``), its next-pair
+        # prefetch included; line: one 8-bit multiply per line instead (``unpack_int4_line_mul``,
+        # the kernels' unpack before session 27)
         nb, lines = C.shape[1], C.shape[2]
-        ng = rx.shape[0] // (nb * 64)
+        ng = rx.shape[0] // (nb * 16)
         lpg = lines // ng
         blk = lines * 128
         for i in range(calls):
             data = C[0 if warm else i % C.shape[0]]
             for b in range(0, nb, 2):
+                if not line:
+                    K._unpack_pair_ratio(data, b, 0, nb, ng, lpg, rx, bs, blk)
+                    continue
                 for q in range(2):
                     nxt = b + 2 + q
                     ro = (b + q) * ng * 16
@@ -99,16 +103,11 @@ def kernels():
                     for j in range(lines):
                         if nxt < nb:
                             prefetch_l2(data, (nxt * lines + j) * 64)
-                        if div:
-                            unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
-                                                 rx, ((b + q) * ng + j // lpg) * 16)
-                        else:
-                            unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128,
-                                                 rx, ro)
-                            jg += 1
-                            if jg == lpg:
-                                jg = 0
-                                ro += 16
+                        unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro)
+                        jg += 1
+                        if jg == lpg:
+                            jg = 0
+                            ro += 16
 
     @njit(nogil=True)
     def ratios(scale, srow, rx, calls):
@@ -192,13 +191,14 @@ def main():
             "int4_lazy": (p4.data.nbytes, lambda t, c: f4l(xq, xs, c4[t], p4.scale, srows[t], rxs[t], outs[t], c,
                                                             False)),
             "unpack": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], False, c, False)),
-            "unpack_div": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], True, c, False)),
+            "unpack_line": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], True, c, False)),
             "ratios": (0, lambda t, c: frat(p4.scale, srows[t], rxs[t], c)),
             # warm: the thread's first copy every call
             "int8_warm": (p8.data.nbytes, lambda t, c: f8(xq, xs, c8[t], p8.scale, p8.wsum, outs[t], c, True)),
             "int4_pre_warm": (p4.data.nbytes, lambda t, c: f4p(xq, xs, c4[t], srows[t], rxs[t], outs[t], c,
                                                                 True)),
             "unpack_warm": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], False, c, True)),
+            "unpack_line_warm": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], True, c, True)),
         }
         for nt in thread_counts:
             for _, f in parts.values():  # compile and warm

@@ -29,7 +29,8 @@ __all__ = [
     "tileloadd64", "tileloaddt164", "tilestored64", "tdpbssd", "tdpbsud",
     "tdpbf16ps",
     "row16_scale_store", "row16_scale_bits", "row16_fma", "row16_mul_store", "row16_max", "ratio_row16", "copy64",
-    "unpack_int4_line", "unpack_int4_line_mul", "prefetch_l1", "prefetch_l2", "prefetch_w",
+    "unpack_int4_line", "unpack_int4_line_mul", "unpack_int4_group_mul", "prefetch_l1", "prefetch_l2",
+    "prefetch_w",
 ]
 
 _I8 = ir.IntType(8)
@@ -454,6 +455,58 @@ def unpack_int4_line_mul(typingctx, src, si, dst, di, r, ri):
         return context.get_dummy_value()
 
     return types.none(src, si, dst, di, r, ri), codegen
+
+
+_I16X32 = ir.VectorType(ir.IntType(16), 32)
+
+
+@intrinsic(prefer_literal=True)
+def unpack_int4_group_mul(typingctx, src, si, dst, di, r, ri, nlines):
+    """``unpack_int4_line_mul`` of ``nlines`` consecutive packed lines (a literal, 1-16) that share
+    one group's ratios r[ri : ri+16], at dst[di : di + 128 nlines]; the same bytes wherever both
+    products of a 16-bit lane fit in int8 (every weight without q = -8, as the ratio kernels
+    require: ``packing.int4_has_minus8``).
+
+    The products are formed in 16-bit lanes, where AVX-512 has a one-instruction multiply (8-bit
+    lanes have none: ``unpack_int4_line_mul`` pays a ``vpmullw``, a ``vpmaddubsw`` and a merge per
+    64 bytes). A 16-bit lane holds two bytes of the same column (a line's 4 bytes per column), so
+    one ratio multiplies both: with c = 15 - nibble, r c fills its byte without a carry into the
+    next (r c <= 255 unless r = 18 and q = -8, a product outside int8 whose carry spoils the other
+    byte too), and r q = 7 r - r c per byte. Per line: a shift, two ``vpandn``, two
+    ``vpmullw`` and two ``vpsubb`` (the ratio vectors are made once for the lines): 1.6x faster
+    than ``unpack_int4_line_mul`` on one dev core (1.76 vs 2.84 ns per line, L1-resident)."""
+    _dtype_is(src, types.uint8, "unpack_int4_group_mul src")
+    _dtype_is(dst, types.int8, "unpack_int4_group_mul dst")
+    _dtype_is(r, types.int8, "unpack_int4_group_mul r")
+    if not isinstance(nlines, types.IntegerLiteral) or not 1 <= nlines.literal_value <= 16:
+        raise TypingError(f"unpack_int4_group_mul: nlines must be an integer literal in 1..16, got {nlines}")
+    n = nlines.literal_value
+
+    def codegen(context, builder, sig, args):
+        r16 = builder.load(_vptr(context, builder, sig, args, 4, _I8X16), align=1)
+        i32x64 = ir.VectorType(ir.IntType(32), 64)
+        # column j >> 2 of byte j: its ratio zero-extended into each 16-bit lane, and 7 r per byte
+        rw = builder.bitcast(builder.shuffle_vector(
+            r16, ir.Constant(_I8X16, [0] * 16),
+            ir.Constant(i32x64, [j >> 2 if j % 2 == 0 else 16 for j in range(64)])), _I16X32)
+        rb = builder.shuffle_vector(r16, ir.Constant(_I8X16, ir.Undefined),
+                                    ir.Constant(i32x64, [j >> 2 for j in range(64)]))
+        r7 = builder.mul(rb, ir.Constant(_I8X64, [7] * 64))
+        low = ir.Constant(_I16X32, [0x0F0F] * 32)
+        ones = ir.Constant(_I16X32, [-1] * 32)
+        k4 = ir.Constant(_I16X32, [4] * 32)
+        s0 = builder.bitcast(_vptr(context, builder, sig, args, 0, _I8X64), _I16X32.as_pointer())
+        d0 = _vptr(context, builder, sig, args, 2, _I8X64)
+        for line in range(n):
+            w = builder.load(builder.gep(s0, [ir.Constant(_I64, line)]), align=1)
+            for h, x in enumerate((w, builder.lshr(w, k4))):
+                c = builder.and_(builder.xor(x, ones), low)  # 15 - nibble, per byte
+                rc = builder.bitcast(builder.mul(c, rw), _I8X64)
+                builder.store(builder.sub(r7, rc), builder.gep(d0, [ir.Constant(_I64, 2 * line + h)]),
+                              align=1)
+        return context.get_dummy_value()
+
+    return types.none(src, si, dst, di, r, ri, nlines), codegen
 
 
 def _prefetch(what: str, locality: int, rw: int = 0):

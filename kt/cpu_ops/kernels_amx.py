@@ -60,7 +60,7 @@ from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, prefetch_w, rati
                    row16_fma, row16_max, row16_mul_store, row16_scale_bits, row16_scale_store,
                    set_tilecfg, tdpbf16ps, tdpbssd, tilezero, tileloadd64, tileloaddt164, tilerelease,
                    tilestored64,
-                   unpack_int4_line, unpack_int4_line_mul)
+                   unpack_int4_group_mul, unpack_int4_line)
 
 AMX_MODE = require_amx()
 cache.install()
@@ -880,7 +880,7 @@ def _int4_ratios(scale, nb0, nb1, srow, rx):
     """Whether every group scale of blocks [nb0, nb1) is s_row * r_g with r_g an integer in
     [0, INT4_RATIO_MAX] (``reference.int4_ratio_scales``, the quantiser's rule); if so, srow
     [16 (nb1 - nb0)] holds each column's s_row and rx [(nb1 - nb0) * ng * 16] each (block, group)'s
-    16 ratios (int8, one per column: ``unpack_int4_line_mul`` spreads each over its 4 k)."""
+    16 ratios (int8, one per column: ``unpack_int4_group_mul`` spreads each over its 4 k)."""
     m = empty_line(16, np.float32)
     inv = empty_line(16, np.float32)
     for b in range(nb0, nb1):
@@ -900,11 +900,12 @@ def _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk):
         nxt = b + 2 + q
         ro = (b + q - nb0) * ng * 16     # this group's ratios in rx, stepped without a division
         jg = 0                           # (j // lpg compiled to a div per line)
-        for j in range(lines):
+        for j in range(0, lines, 4):
             if nxt < nb1:
-                prefetch_l2(data, (nxt * lines + j) * 64)
-            unpack_int4_line_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro)
-            jg += 1
+                for i in range(4):
+                    prefetch_l2(data, (nxt * lines + j + i) * 64)
+            unpack_int4_group_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro, 4)
+            jg += 4
             if jg == lpg:
                 jg = 0
                 ro += 16
@@ -985,10 +986,14 @@ def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs,
 @njit(nogil=True, cache=True, inline="always")
 def _unpack_kstep(data, b, lines, s, lpg, ng, lb, rx, bs, bo):
     """k-step s of packed INT4 block b (its 8 lines) -> the 1 KiB int8 tile r_g * q at bs[bo:]
-    (lb: the block's index in rx)."""
-    for j in range(8 * s, 8 * s + 8):
-        unpack_int4_line_mul(data, (b * lines + j) * 64, bs, bo + (j - 8 * s) * 128, rx,
-                             (lb * ng + j // lpg) * 16)
+    (lb: the block's index in rx). A k-step is one group of 64 or half a group of 128 (one ratio
+    vector for its 8 lines), or two groups of 32."""
+    src = (b * lines + 8 * s) * 64
+    if lpg >= 8:
+        unpack_int4_group_mul(data, src, bs, bo, rx, (lb * ng + 8 * s // lpg) * 16, 8)
+    else:
+        unpack_int4_group_mul(data, src, bs, bo, rx, (lb * ng + 2 * s) * 16, 4)
+        unpack_int4_group_mul(data, src + 256, bs, bo + 512, rx, (lb * ng + 2 * s + 1) * 16, 4)
 
 
 @njit(nogil=True, cache=True)

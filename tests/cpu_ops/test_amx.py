@@ -442,6 +442,10 @@ class TileUnit:
         d[:64] = lo
         d[64:] = hi
 
+    def unpack_int4_group_mul(self, src, si, dst, di, r, ri, nlines):
+        for line in range(nlines):
+            self.unpack_int4_line_mul(src, si + 64 * line, dst, di + 128 * line, r, ri)
+
     def row16_max(self, acc, ai, src, si):
         a = self._flat(acc, ai, 16)
         a[:] = np.maximum(a, self._flat(src, si, 16))
@@ -507,7 +511,8 @@ def emulated_kernels(monkeypatch):
     for name in ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tileloaddt164", "tilestored64",
                  "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_scale_bits", "row16_fma",
                  "row16_mul_store",
-                 "copy64", "unpack_int4_line", "unpack_int4_line_mul", "row16_max", "ratio_row16",
+                 "copy64", "unpack_int4_line", "unpack_int4_line_mul", "unpack_int4_group_mul", "row16_max",
+                 "ratio_row16",
                  "prefetch_l1", "prefetch_l2", "prefetch_w"):
         setattr(mod, name, getattr(unit, name))
     mod.unit = unit
@@ -785,6 +790,42 @@ def test_ratio_row16_accepts_only_exact_integer_ratios():
         s2 = scale.copy()
         s2[3] = bad
         assert not check(s2, inv, sr, rx), bad
+
+
+@pytest.mark.parametrize("nlines", [4, 8])
+def test_unpack_int4_group_mul_is_the_per_line_unpack(nlines):
+    """The group unpack (16-bit products of 15 - nibble, plain AVX-512 code: runs on any host)
+    against the per-line 8-bit one and numpy, over every byte value and every ratio 0..18 in each
+    column position: equal wherever both r q of a 16-bit lane fit in int8 (not for q = -8 with
+    r >= 17, which the ratio kernels never see: its carry reaches the lane's other byte)."""
+    from numba import njit
+
+    from kt.cpu_ops._amx import unpack_int4_group_mul, unpack_int4_line_mul
+
+    @njit
+    def both(src, r, a, b):
+        for g in range(src.size // (64 * nlines)):
+            unpack_int4_group_mul(src, g * 64 * nlines, a, g * 128 * nlines, r, 16 * g, nlines)
+            for line in range(nlines):
+                unpack_int4_line_mul(src, (g * nlines + line) * 64, b, (g * nlines + line) * 128, r, 16 * g)
+
+    rng = np.random.default_rng(11)
+    groups = 19 * 16  # each ratio in each of the 16 columns, each byte value in every position
+    src = np.empty((groups, nlines, 64), np.uint8)
+    for g in range(groups):
+        src[g] = rng.permutation(np.resize(np.arange(256, dtype=np.uint8), nlines * 64)).reshape(nlines, 64)
+    r = np.array([[(g + c) % 19 for c in range(16)] for g in range(groups)], np.int8)
+    a = np.zeros(groups * nlines * 128, np.int8)
+    b = np.zeros_like(a)
+    both(src.reshape(-1), r.reshape(-1), a, b)
+    q = np.stack([(src & 15).astype(np.int32) - 8, (src >> 4).astype(np.int32) - 8], axis=2)  # g, l, h, 64
+    want = q * np.repeat(r.astype(np.int32), 4, axis=1)[:, None, None, :]
+    lane = np.abs(want).reshape(groups, nlines, 2, 32, 2).max(axis=-1) <= 127
+    fits = np.repeat(lane, 2, axis=-1)
+    got = a.reshape(groups, nlines, 2, 64).astype(np.int32)
+    assert fits.mean() > 0.97
+    assert np.array_equal(got[fits], want[fits])
+    assert np.array_equal(a.reshape(got.shape)[fits], b.reshape(got.shape)[fits])
 
 
 @needs_amx
