@@ -499,9 +499,12 @@ def emulated_kernels(monkeypatch):
     import importlib.util
     import numba
 
-    from kt.cpu_ops import _amx, _simd, cache  # noqa: F401  (imported before njit is patched:
-    # a module first imported under the patch would keep plain-Python functions where the real
-    # kernels expect jitted ones)
+    from kt.cpu_ops import _amx
+
+    # kernels_amx's other jitted imports loaded before njit is patched: a module first imported
+    # under the patch would keep plain-Python functions where the real kernels expect jitted ones
+    for name in ("_simd", "cache"):
+        importlib.import_module(f"kt.cpu_ops.{name}")
 
     monkeypatch.setattr(numba, "njit", lambda *a, **k: (lambda f: f))
     monkeypatch.setattr(_amx, "require_amx", lambda: "emulated")
