@@ -7,8 +7,7 @@ all threads together are >= --pool-gb), timed as calls per wall second over all 
 ``int8`` (``gemm_int8``), ``int4`` (``gemm_int4``: ratio check + ratio kernel), ``int4_pre`` (the
 kernel ``gemm_int4`` picked before session 20, inline up to 32 rows or staged, with the ratios
 computed once beforehand), ``int4_keep`` (the inline kernel at any M in keep mode, as ``gemm_int4``
-runs it up to 128 rows, the ratios computed beforehand; ``_a1`` / ``_a3``: each k-step unpacked 1 / 3
-k-steps ahead of its products instead of 2), ``int4_lazy`` (``gemm_int4``'s inline
+runs it up to 128 rows, the ratios computed beforehand), ``int4_lazy`` (``gemm_int4``'s inline
 path, the ratios made pair by pair, on preallocated ratio tables),
 ``unpack`` (only the nibble unpacking of every block pair with its next-pair prefetch, as the
 ratio kernels do it, no tiles; ``unpack_line`` the same with the per-line 8-bit multiply the
@@ -69,19 +68,18 @@ def kernels():
                                    K.default_mc(xq.shape[1]), 16, True, True)
 
     @njit(nogil=True)
-    def int4_keep(xq, xs, C, srow, rx, out, calls, warm, ahead):
-        # the inline kernel at any M, the first panel's unpacked pair kept for the later panels,
-        # each k-step unpacked ``ahead`` k-steps before its products
+    def int4_keep(xq, xs, C, srow, rx, out, calls, warm):
+        # the inline kernel at any M, the first panel's unpacked pair kept for the later panels
         for i in range(calls):
             data = C[0 if warm else i % C.shape[0]]
-            K.gemm_int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True, True, ahead)
+            K.gemm_int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True, True)
 
     @njit(nogil=True)
     def int4_lazy(xq, xs, C, scale, srow, rx, out, calls, warm):
         # gemm_int4's inline path (ratios made pair by pair) on preallocated srow / rx
         for i in range(calls):
             data = C[0 if warm else i % C.shape[0]]
-            K._int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True, True, scale, True, 2)
+            K._int4_inline(xq, xs, data, 64, srow, rx, out, 0, data.shape[0], 1, True, True, scale, True)
 
     @njit(nogil=True)
     def unpack(C, rx, bs, line, calls, warm):
@@ -189,11 +187,7 @@ def main():
             "int8": (p8.data.nbytes, lambda t, c: f8(xq, xs, c8[t], p8.scale, p8.wsum, outs[t], c, False)),
             "int4": (p4.data.nbytes, lambda t, c: f4(xq, xs, c4[t], p4.scale, outs[t], c, False)),
             "int4_pre": (p4.data.nbytes, lambda t, c: f4p(xq, xs, c4[t], srows[t], rxs[t], outs[t], c, False)),
-            "int4_keep": (p4.data.nbytes, lambda t, c: f4k(xq, xs, c4[t], srows[t], rxs[t], outs[t], c, False, 2)),
-            "int4_keep_a1": (p4.data.nbytes, lambda t, c: f4k(xq, xs, c4[t], srows[t], rxs[t], outs[t], c, False,
-                                                               1)),
-            "int4_keep_a3": (p4.data.nbytes, lambda t, c: f4k(xq, xs, c4[t], srows[t], rxs[t], outs[t], c, False,
-                                                               3)),
+            "int4_keep": (p4.data.nbytes, lambda t, c: f4k(xq, xs, c4[t], srows[t], rxs[t], outs[t], c, False)),
             "int4_lazy": (p4.data.nbytes, lambda t, c: f4l(xq, xs, c4[t], p4.scale, srows[t], rxs[t], outs[t], c,
                                                             False)),
             "unpack": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], False, c, False)),
@@ -203,10 +197,6 @@ def main():
             "int8_warm": (p8.data.nbytes, lambda t, c: f8(xq, xs, c8[t], p8.scale, p8.wsum, outs[t], c, True)),
             "int4_pre_warm": (p4.data.nbytes, lambda t, c: f4p(xq, xs, c4[t], srows[t], rxs[t], outs[t], c,
                                                                 True)),
-            "int4_keep_warm": (p4.data.nbytes, lambda t, c: f4k(xq, xs, c4[t], srows[t], rxs[t], outs[t], c,
-                                                                 True, 2)),
-            "int4_keep_a1_warm": (p4.data.nbytes, lambda t, c: f4k(xq, xs, c4[t], srows[t], rxs[t], outs[t], c,
-                                                                    True, 1)),
             "unpack_warm": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], False, c, True)),
             "unpack_line_warm": (p4.data.nbytes, lambda t, c: funp(c4[t], rxs[t], bss[t], True, c, True)),
         }

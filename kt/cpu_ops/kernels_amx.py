@@ -997,24 +997,23 @@ def _unpack_kstep(data, b, lines, s, lpg, ng, lb, rx, bs, bo):
 
 
 @njit(nogil=True, cache=True)
-def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep=False, ahead=2):
+def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep=False):
     """Small-M INT4 (the experts of a prefill layer: tens of rows) on ratio scales, as
     ``gemm_int4_staged`` computes it but unpacking each k-step's two B tiles just before its
-    products, into a four-slot ring of 2 KiB that stays in L1, instead of a whole block pair into a
-    64 KiB buffer first: the unpack of k-step s + ahead (vector work; ahead 1-3) runs while the
-    tile unit does k-step s. Every 32-row panel unpacks again, so this pays only for one or two panels (at M=32
+    products, into a two-slot ring of 2 KiB that stays in L1, instead of a whole block pair into a
+    64 KiB buffer first: the unpack of k-step s + 1 (vector work) runs while the tile unit does
+    k-step s. Every 32-row panel unpacks again, so this pays only for one or two panels (at M=32
     the pair unpack was ~40 % of the call). l2 > 0: prefetch the packed lines of the block pair l2
     pairs ahead into L2, a k-step's worth per k-step. pfw as ``gemm_int8_staged``. keep: the first
     panel unpacks every k-step into a whole-K buffer of the pair (2 KiB per k-step) instead of the
     ring, and the later panels multiply from it without unpacking again (for 2-4 panels: the
     unpack still overlaps the first panel's products, once per pair). Same result as
     ``gemm_int4_staged``."""
-    _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, _NO_SCALE, False,
-                 ahead)
+    _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, _NO_SCALE, False)
 
 
 @njit(nogil=True, cache=True)
-def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, scale, lazy, ahead):
+def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, scale, lazy):
     """The body of ``gemm_int4_inline``. lazy: srow / rx are not made yet; each block pair's
     ratios are made from ``scale`` (``_block_ratios``) just before the pair is first unpacked, and
     the group scales of the pair l2 ahead are prefetched with its packed lines, so reading the
@@ -1031,10 +1030,8 @@ def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, kee
     ap = _pack_a(xq, ks, 64)
     mpad = ap.shape[0] * 16
     keep = keep and mpad > 32
-    # 4 slots (keep: ks slots) x (block 0, block 1) x 1 KiB; k-step j in slot j (keep) or j & 3
-    ring = empty_line(ks * 2048 if keep else 8192, np.int8)
-    rmask = -1 if keep else 3
-    ahead = max(1, min(ahead, 3))     # the ring holds k-steps s + 1 .. s + 3 while s multiplies
+    # 2 slots (keep: ks slots) x (block 0, block 1) x 1 KiB
+    ring = empty_line(ks * 2048 if keep else 4096, np.int8)
     cp, cpart, st = _staged_buffers(32)
     cpf = cp.view(np.float32)
     mx = empty_line(16, np.float32)
@@ -1068,16 +1065,15 @@ def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, kee
             tilezero(3)
             unp = mp == 0 or not keep
             if unp:
-                for j in range(min(ahead, ks)):
-                    _unpack_kstep(data, b, lines, j, lpg, ng, b - nb0, rx, ring, j * 2048)
-                    _unpack_kstep(data, b1, lines, j, lpg, ng, b1 - nb0, rx, ring, j * 2048 + 1024)
+                _unpack_kstep(data, b, lines, 0, lpg, ng, b - nb0, rx, ring, 0)
+                _unpack_kstep(data, b1, lines, 0, lpg, ng, b1 - nb0, rx, ring, 1024)
             tileloadd64(4, ap, a0, 64)
             tileloadd64(6, ring, 0, 64)
             tileloadd64(5, ap, a1, 64)
             tileloadd64(7, ring, 1024, 64)
             for s in range(ks):
                 nxt = s + 1 < ks
-                so = ((s + 1) & rmask) * 2048     # the ring slot of k-step s + 1
+                so = (s + 1 if keep else (s + 1) % 2) * 2048     # the ring slot of k-step s + 1
                 if l2 > 0 and mp == 0 and pb < nb1:
                     for j in range(8 * s, 8 * s + 8):
                         prefetch_l2(data, (pb * lines + j) * 64)
@@ -1096,11 +1092,10 @@ def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, kee
                 tdpbssd(1, 4, 7)
                 if st[0] >= 0:
                     _drain(out, ost, cp, cpf, st, s * dper, (s + 1) * dper, False, srow, xs)
-                if unp and s + ahead < ks:
-                    su = ((s + ahead) & rmask) * 2048
-                    _unpack_kstep(data, b, lines, s + ahead, lpg, ng, b - nb0, rx, ring, su)
-                    _unpack_kstep(data, b1, lines, s + ahead, lpg, ng, b1 - nb0, rx, ring, su + 1024)
                 if nxt:
+                    if unp:
+                        _unpack_kstep(data, b, lines, s + 1, lpg, ng, b - nb0, rx, ring, so)
+                        _unpack_kstep(data, b1, lines, s + 1, lpg, ng, b1 - nb0, rx, ring, so + 1024)
                     tileloadd64(4, ap, a0 + (s + 1) * 1024, 64)
                 tdpbssd(2, 5, 6)
                 if nxt:
@@ -1152,7 +1147,7 @@ def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2):
     mc = default_mc(xq.shape[1])
     if xq.shape[0] <= INT4_INLINE_MAX_M:
         nb0 = _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, True, True, scale,
-                           True, 2)
+                           True)
     elif _int4_ratios(scale, nb0, nb1, srow, rx):
         gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True)
         return

@@ -678,12 +678,11 @@ def _check_blocked(mod, scheme, pf):
             xq, xs, p.data, 64, srow[16 * nb0:], rx[16 * ng * nb0:], o, nb0, nb, mc, kcs, pfw, nta),
             whole, p, "int4")
         # the small-M kernel that unpacks as it multiplies (any M: each panel unpacks again; keep:
-        # the later panels multiply the first panel's unpacked pair), each k-step unpacked 1-3
-        # k-steps before its products (the ring's reuse of its slots)
-        for keep, ahead in ((False, 1), (False, 2), (False, 3), (True, 1), (True, 3)):
+        # the later panels multiply the first panel's unpacked pair)
+        for keep in (False, True):
             _check_staged(mod, lambda o, nb0, mc, kcs, l2, pfw, nta: mod.gemm_int4_inline(
-                xq, xs, p.data, 64, srow[16 * nb0:], rx[16 * ng * nb0:], o, nb0, nb, l2, pfw, keep,
-                ahead), whole, p, f"int4 inline keep={keep} ahead={ahead}")
+                xq, xs, p.data, 64, srow[16 * nb0:], rx[16 * ng * nb0:], o, nb0, nb, l2, pfw, keep),
+                whole, p, f"int4 inline keep={keep}")
         if hasattr(mod, "unit"):
             mod.unit.prefetched_w.clear()
         mod.gemm_int4_blocked(xq, xs, p.data, p.scale, 64, out, 0, nb, 32, 64, pf > 0, True)
