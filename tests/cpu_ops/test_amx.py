@@ -800,8 +800,8 @@ def test_ratio_row16_accepts_only_exact_integer_ratios():
 @pytest.mark.parametrize("nlines", [4, 8])
 def test_unpack_int4_group_mul_is_the_per_line_unpack(nlines):
     """The group unpack (16-bit products of 15 - nibble, plain AVX-512 code: runs on any host)
-    against the per-line 8-bit one and numpy, over every byte value and every ratio 0..18 in each
-    column position: equal wherever both r q of a 16-bit lane fit in int8 (not for q = -8 with
+    against the per-line 8-bit one and numpy, over every ratio 0..18 in each column and every byte
+    value in each group's lines: equal wherever both r q of a 16-bit lane fit in int8 (not for q = -8 with
     r >= 17, which the ratio kernels never see: its carry reaches the lane's other byte)."""
     from numba import njit
 
@@ -815,7 +815,7 @@ def test_unpack_int4_group_mul_is_the_per_line_unpack(nlines):
                 unpack_int4_line_mul(src, (g * nlines + line) * 64, b, (g * nlines + line) * 128, r, 16 * g)
 
     rng = np.random.default_rng(11)
-    groups = 19 * 16  # each ratio in each of the 16 columns, each byte value in every position
+    groups = 19 * 16  # each ratio in each of the 16 columns; each group's lines hold every byte value
     src = np.empty((groups, nlines, 64), np.uint8)
     for g in range(groups):
         src[g] = rng.permutation(np.resize(np.arange(256, dtype=np.uint8), nlines * 64)).reshape(nlines, 64)
