@@ -485,13 +485,12 @@ def unpack_int4_group_mul(typingctx, src, si, dst, di, r, ri, nlines):
     def codegen(context, builder, sig, args):
         r16 = builder.load(_vptr(context, builder, sig, args, 4, _I8X16), align=1)
         i32x64 = ir.VectorType(ir.IntType(32), 64)
-        # column j >> 2 of byte j: its ratio zero-extended into each 16-bit lane, and 7 r per byte
+        # column j >> 2 of byte j: its ratio zero-extended into each 16-bit lane, and 7 r in both
+        # bytes of the lane (r * 0x0707: 7 r <= 126, no carry)
         rw = builder.bitcast(builder.shuffle_vector(
             r16, ir.Constant(_I8X16, [0] * 16),
             ir.Constant(i32x64, [j >> 2 if j % 2 == 0 else 16 for j in range(64)])), _I16X32)
-        rb = builder.shuffle_vector(r16, ir.Constant(_I8X16, ir.Undefined),
-                                    ir.Constant(i32x64, [j >> 2 for j in range(64)]))
-        r7 = builder.mul(rb, ir.Constant(_I8X64, [7] * 64))
+        r7 = builder.bitcast(builder.mul(rw, ir.Constant(_I16X32, [0x0707] * 32)), _I8X64)
         low = ir.Constant(_I16X32, [0x0F0F] * 32)
         ones = ir.Constant(_I16X32, [-1] * 32)
         k4 = ir.Constant(_I16X32, [4] * 32)

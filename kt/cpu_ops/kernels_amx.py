@@ -900,12 +900,17 @@ def _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk):
         nxt = b + 2 + q
         ro = (b + q - nb0) * ng * 16     # this group's ratios in rx, stepped without a division
         jg = 0                           # (j // lpg compiled to a div per line)
-        for j in range(0, lines, 4):
+        step = 8 if lpg >= 8 else 4      # lines per call: a group's, or 8 of it (one ratio vector)
+        for j in range(0, lines, step):
             if nxt < nb1:
-                for i in range(4):
+                for i in range(step):
                     prefetch_l2(data, (nxt * lines + j + i) * 64)
-            unpack_int4_group_mul(data, ((b + q) * lines + j) * 64, bs, q * blk + j * 128, rx, ro, 4)
-            jg += 4
+            src = ((b + q) * lines + j) * 64
+            if step == 8:
+                unpack_int4_group_mul(data, src, bs, q * blk + j * 128, rx, ro, 8)
+            else:
+                unpack_int4_group_mul(data, src, bs, q * blk + j * 128, rx, ro, 4)
+            jg += step
             if jg == lpg:
                 jg = 0
                 ro += 16
