@@ -889,6 +889,19 @@ def _int4_ratios(scale, nb0, nb1, srow, rx):
     return True
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _unpack_kstep(data, b, lines, s, lpg, ng, lb, rx, bs, bo):
+    """k-step s of packed INT4 block b (its 8 lines) -> the 1 KiB int8 tile r_g * q at bs[bo:]
+    (lb: the block's index in rx). A k-step is one group of 64 or half a group of 128 (one ratio
+    vector for its 8 lines), or two groups of 32."""
+    src = (b * lines + 8 * s) * 64
+    if lpg >= 8:
+        unpack_int4_group_mul(data, src, bs, bo, rx, (lb * ng + 8 * s // lpg) * 16, 8)
+    else:
+        unpack_int4_group_mul(data, src, bs, bo, rx, (lb * ng + 2 * s) * 16, 4)
+        unpack_int4_group_mul(data, src + 256, bs, bo + 512, rx, (lb * ng + 2 * s + 1) * 16, 4)
+
+
 @njit(nogil=True, cache=True)
 def _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk):
     """Blocks b and b + 1 (if < nb1) of packed INT4 ``data`` -> the int8 values r_g * q in bs
@@ -898,22 +911,11 @@ def _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk):
     lines = data.shape[1]
     for q in range(2 if b + 1 < nb1 else 1):
         nxt = b + 2 + q
-        ro = (b + q - nb0) * ng * 16     # this group's ratios in rx, stepped without a division
-        jg = 0                           # (j // lpg compiled to a div per line)
-        step = 8 if lpg >= 8 else 4      # lines per call: a group's, or 8 of it (one ratio vector)
-        for j in range(0, lines, step):
+        for s in range(lines // 8):
             if nxt < nb1:
-                for i in range(step):
-                    prefetch_l2(data, (nxt * lines + j + i) * 64)
-            src = ((b + q) * lines + j) * 64
-            if step == 8:
-                unpack_int4_group_mul(data, src, bs, q * blk + j * 128, rx, ro, 8)
-            else:
-                unpack_int4_group_mul(data, src, bs, q * blk + j * 128, rx, ro, 4)
-            jg += step
-            if jg == lpg:
-                jg = 0
-                ro += 16
+                for i in range(8):
+                    prefetch_l2(data, (nxt * lines + 8 * s + i) * 64)
+            _unpack_kstep(data, b + q, lines, s, lpg, ng, b + q - nb0, rx, bs, q * blk + s * 1024)
 
 
 @njit(nogil=True, cache=True)
@@ -986,19 +988,6 @@ def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs,
     if st[0] >= 0:
         _drain(out, ost, cp, cp.view(np.float32), st, 0, 64, False, srow, xs)
     tilerelease()
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _unpack_kstep(data, b, lines, s, lpg, ng, lb, rx, bs, bo):
-    """k-step s of packed INT4 block b (its 8 lines) -> the 1 KiB int8 tile r_g * q at bs[bo:]
-    (lb: the block's index in rx). A k-step is one group of 64 or half a group of 128 (one ratio
-    vector for its 8 lines), or two groups of 32."""
-    src = (b * lines + 8 * s) * 64
-    if lpg >= 8:
-        unpack_int4_group_mul(data, src, bs, bo, rx, (lb * ng + 8 * s // lpg) * 16, 8)
-    else:
-        unpack_int4_group_mul(data, src, bs, bo, rx, (lb * ng + 2 * s) * 16, 4)
-        unpack_int4_group_mul(data, src + 256, bs, bo + 512, rx, (lb * ng + 2 * s + 1) * 16, 4)
 
 
 @njit(nogil=True, cache=True)
