@@ -20,7 +20,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model
+from numba.extending import intrinsic, models, overload, register_model
 
 from ._align import LINE
 
@@ -30,7 +30,7 @@ __all__ = [
     "load_i8x64", "load_i16x32", "load_i32x16", "load_f32x16",
     "load_i8x32", "load_i16x16", "load_i32x8", "load_f32x8",
     "bcast4_i32x16", "bcast4_i32x8", "load_i8_i32x16", "store", "prefetch", "prefetch_l2", "pf_next",
-    "empty_line",
+    "empty_line", "line_elems",
     # constants / broadcast of scalars
     "splat_i32x16", "splat_f32x16", "splat_i32x8", "splat_f32x8", "splat_i16x16", "splat_i8x32",
     # bit casts
@@ -396,3 +396,19 @@ def empty_line(n, dtype):
     buf = np.empty(n + LINE, dtype)
     o = (-buf.ctypes.data % LINE) // buf.itemsize
     return buf[o:o + n]
+
+
+def line_elems(a):
+    """64 // a.itemsize: an array's elements per 64-byte line; in compiled code a constant of the
+    array's type (``_line_elems``). Numba reads ``a.itemsize`` from the array at run time, so
+    offsets made from it cost multiplies and registers inside a kernel's loop (the staged AMX
+    loop kept its state on the stack)."""
+    return 64 // a.itemsize
+
+
+@overload(line_elems)
+def _line_elems(a):
+    if not isinstance(a, types.Array) or not hasattr(a.dtype, "bitwidth"):
+        return None
+    n = 512 // a.dtype.bitwidth
+    return lambda a: n

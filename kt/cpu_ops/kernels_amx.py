@@ -54,7 +54,7 @@ import numpy as np
 from numba import njit
 
 from . import cache
-from ._simd import empty_line
+from ._simd import empty_line, line_elems
 from ..reference import INT4_RATIO_MAX
 from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, prefetch_w, ratio_row16, require_amx,
                    row16_fma, row16_max, row16_mul_store, row16_scale_bits, row16_scale_store,
@@ -467,6 +467,18 @@ def _drain(out, ost, cp, cpf, st, q0, q1, bf, scale, xs):
                 row16_scale_store(out, oi, cp, i * 32 + h, scale, st[4] + h, xs[pm + i])
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _prefetch_w_rows(out, o, ost, rows, two, i, per):
+    """Step i of requesting the output rows [o, o + rows * ost) for writing, per rows a step (both
+    16-column halves where two). Under ``if pfw`` in the staged loop, so that a kernel compiled
+    with pfw False carries none of it (its counters had held the loop's state on the stack: one
+    core, M=512 N=1536 K=2048, ~4 % slower)."""
+    for q in range(i * per, min((i + 1) * per, rows)):
+        prefetch_w(out, o + q * ost)
+        if two:
+            prefetch_w(out, o + q * ost + 16)
+
+
 @njit(nogil=True, cache=True)
 def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp, cpart, st,
                  bf, scale, so, xs, pf0, pf1, nlines, per, pfw, nta):
@@ -482,9 +494,9 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
     software-pipelined as ``_pipe_panel``'s. per > 0: ``per`` lines per k-step of the L2 prefetch
     of ``_pipe_pair_prefetch`` (pf0, pf1, nlines). pfw: request ownership of the output lines of
     a panel's last slice spread over its k-steps."""
-    sa = 1024 // ap.itemsize
-    sb = 1024 // bd.itemsize
-    lw = 64 // bd.itemsize
+    sa = 16 * line_elems(ap)          # elements per 1 KiB tile (constants: see line_elems)
+    sb = 16 * line_elems(bd)
+    lw = line_elems(bd)
     cpf = cp.view(np.float32)
     nsl = (ks + kcs - 1) // kcs
     kc = (ks + nsl - 1) // nsl
@@ -497,9 +509,7 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
             a1 = a0 + ks * sa
             ci = (mp - mc0) // 32 * 1024
             rows = min(32, m_all - mp)
-            wrows = rows if pfw and k1 == ks else 0
-            wper = (wrows + k1 - k0 - 1) // (k1 - k0)
-            wo = mp * ost + n0
+            wper = (rows + k1 - k0 - 1) // (k1 - k0) if pfw and k1 == ks else 0
             if k0 == 0:
                 tilezero(0)
                 tilezero(1)
@@ -527,10 +537,8 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
                     elif pl < 2 * nlines:
                         prefetch_l2(bd, pf1 + lw * (pl - nlines))
                     pl += 1
-                for q in range((s - k0) * wper, min((s - k0 + 1) * wper, wrows)):
-                    prefetch_w(out, wo + q * ost)
-                    if two:
-                        prefetch_w(out, wo + q * ost + 16)
+                if pfw and k1 == ks:
+                    _prefetch_w_rows(out, mp * ost + n0, ost, rows, two, s - k0, wper)
                 nxt = s + 1 < k1
                 if bf:
                     tdpbf16ps(0, 4, 6)
@@ -643,9 +651,13 @@ def _gemm_int8(xq, xs, data, scale, out, nb0, nb1, pfw):
     experts do up to T=2048: in the layer, T=2048 was 0-8 % faster that way (three dev runs; 4 %
     in one device run, the other within its noise) and T=512 level or faster (session 21), though
     one core alone at M=128 on warm weights was 6 % slower. Above one chunk (issue 3's one core at
-    M=512: 10 % faster) 16."""
+    M=512: 10 % faster) 16. Rows whose A fits 1 MiB make one M chunk (M=512 at K=2048, which
+    ``default_mc`` cuts in two): the weights stream once instead of twice."""
+    m = xq.shape[0]
     mc = default_mc(xq.shape[1])
-    kcs = 32 if xq.shape[0] <= mc else 16
+    kcs = 32 if m <= mc else 16
+    if m * xq.shape[1] <= 1 << 20:
+        mc = max(mc, (m + 31) // 32 * 32)
     gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, 2, pfw, True)
 
 

@@ -4,7 +4,7 @@ import pytest
 from numba import njit
 
 from kt.cpu_ops import _align
-from kt.cpu_ops._simd import empty_line
+from kt.cpu_ops._simd import empty_line, line_elems
 from kt.cpu_ops.moe import CPUMoE
 from kt.cpu_ops.packing import PackedWeight, aligned_packed, pack, pack_experts
 from kt.cpu_ops.pool import CpuPool
@@ -53,6 +53,19 @@ def test_empty_line_in_jitted_code():
 
     for n in (1, 16, 1000, 1 << 18):
         assert offsets(n) == (0, 0, n, n)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int32, np.float32, np.int64])
+def test_line_elems_is_elements_per_line(dtype):
+    """line_elems: 64 // itemsize, in Python and in compiled code (where it is a constant)."""
+    @njit
+    def jitted(a):
+        return line_elems(a), line_elems(a[:1])
+
+    a = np.zeros((3, 5), dtype)
+    want = 64 // np.dtype(dtype).itemsize
+    assert line_elems(a) == want
+    assert jitted(a) == (want, want)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
