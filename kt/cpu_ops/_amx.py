@@ -25,10 +25,10 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, register_jitable
 
 __all__ = [
-    "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "tilezero",
+    "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "sfence", "tilezero",
     "tileloadd64", "tileloaddt164", "tilestored64", "tdpbssd", "tdpbsud",
     "tdpbf16ps",
-    "row16_scale_store", "row16_scale_bits", "row16_fma", "row16_mul_store", "row16_max", "ratio_row16", "copy64",
+    "row16_scale_store", "row16_scale_stream", "row16_scale_bits", "row16_fma", "row16_mul_store", "row16_max", "ratio_row16", "copy64",
     "unpack_int4_line", "unpack_int4_line_mul", "unpack_int4_group_mul", "prefetch_l1", "prefetch_l2",
     "prefetch_w",
 ]
@@ -136,6 +136,18 @@ def ldtilecfg(typingctx, cfg):
         return context.get_dummy_value()
 
     return types.none(cfg), codegen
+
+
+@intrinsic
+def sfence(typingctx):
+    """Order the non-temporal stores before it ahead of every later store (``row16_scale_stream``'s
+    callers fence before they return, so the threads that read their output see it)."""
+
+    def codegen(context, builder, sig, args):
+        _call(builder, "llvm.x86.sse.sfence", [], [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
 
 
 @intrinsic
@@ -285,6 +297,25 @@ def row16_scale_store(typingctx, out, oi, c, ci, s, si, xm):
         o = _vptr(context, builder, sig, args, 0, _F32X16)
         cv = builder.load(_vptr(context, builder, sig, args, 2, _I32X16), align=4)
         builder.store(_scaled16(context, builder, sig, args, cv, 4), o, align=4)
+        return context.get_dummy_value()
+
+    return types.none(out, oi, c, ci, s, si, xm), codegen
+
+
+@intrinsic
+def row16_scale_stream(typingctx, out, oi, c, ci, s, si, xm):
+    """``row16_scale_store`` with a non-temporal store (vmovntps: the line goes to memory without
+    being read first, and leaves the caches). out[oi:] must start on a 64-byte boundary (the
+    instruction faults otherwise): callers check the output's address and row stride."""
+    _dtype_is(out, types.float32, "row16_scale_stream out")
+    _dtype_is(c, types.int32, "row16_scale_stream c")
+    _dtype_is(s, types.float32, "row16_scale_stream s")
+
+    def codegen(context, builder, sig, args):
+        o = _vptr(context, builder, sig, args, 0, _F32X16)
+        cv = builder.load(_vptr(context, builder, sig, args, 2, _I32X16), align=4)
+        st = builder.store(_scaled16(context, builder, sig, args, cv, 4), o, align=64)
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
         return context.get_dummy_value()
 
     return types.none(out, oi, c, ci, s, si, xm), codegen

@@ -353,6 +353,8 @@ class TileUnit:
         self.configured = False
         self.prefetched_w = set()
         self.prefetched_l2 = []
+        self.streamed = 0
+        self.fences = 0
 
     def ldtilecfg(self, cfg):
         assert cfg.dtype == np.uint8 and cfg.size == 64 and cfg[0] == 1 and cfg[1] == 0
@@ -409,6 +411,15 @@ class TileUnit:
     def row16_scale_store(self, out, oi, c, ci, s, si, xm):
         r = (self._flat(c, ci, 16).astype(np.float32) * np.float32(xm)) * self._flat(s, si, 16)
         self._flat(out, oi, 16)[:] = r
+
+    def row16_scale_stream(self, out, oi, c, ci, s, si, xm):
+        # vmovntps faults unless its line is 64-byte aligned: the kernels must only stream there
+        assert (out.ctypes.data + oi * out.itemsize) % 64 == 0, "non-temporal store off a line"
+        self.streamed += 1
+        self.row16_scale_store(out, oi, c, ci, s, si, xm)
+
+    def sfence(self):
+        self.fences += 1
 
     def row16_scale_bits(self, out, oi, s, si, xm):
         o = self._flat(out, oi, 16)
@@ -514,7 +525,8 @@ def emulated_kernels(monkeypatch):
     spec.loader.exec_module(mod)
     unit = TileUnit()
     for name in ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tileloaddt164", "tilestored64",
-                 "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_scale_bits", "row16_fma",
+                 "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_scale_stream", "sfence",
+                 "row16_scale_bits", "row16_fma",
                  "row16_mul_store",
                  "copy64", "unpack_int4_line", "unpack_int4_line_mul", "unpack_int4_group_mul", "row16_max",
                  "ratio_row16",
@@ -847,3 +859,47 @@ def test_layer_takes_the_shared_output_int8_gemm():
     moe = kt.CPUMoE.from_tensors(g, u, d, scheme="int8", variant="amx")
     assert moe._kaddr[1] == drv.kernel_address(K.gemm_int8_shared_out, drv.SCHEME_INT8)
     assert moe._kaddr[1] != drv.kernel_address(K.gemm_int8, drv.SCHEME_INT8)
+
+
+def _stream_cases():
+    """(what, out, streams) for gemm_int8 at M=520, N=1040 (65 blocks: the last pair is half),
+    D=64: an output on lines and over 1 MiB (streamed), the same 16 bytes off a line, and one
+    under 1 MiB (not streamed)."""
+    from kt.cpu_ops import _align
+
+    big = _align.empty((520, 1040), np.float32)
+    buf = _align.empty(520 * 1040 + 16, np.float32)
+    off = buf[4:4 + 520 * 1040].reshape(520, 1040)         # 16 bytes past a line
+    small = _align.empty((200, 1040), np.float32)
+    return [("aligned > 1 MiB", big, True), ("off a line", off, False), ("< 1 MiB", small, False)]
+
+
+def _check_streams(mod, count):
+    m, n, d = 520, 1040, 64
+    x, w = _inputs(m, n, d, seed=21)
+    p = pack(w, "int8", 64)
+    xq, xs = ref.quantize_act(x)
+    for what, out, streams in _stream_cases():
+        rows = out.shape[0]
+        want = np.full(out.shape, np.nan, np.float32)
+        mod.gemm_int8_shared_out(xq[:rows], xs[:rows], p.data, p.scale, p.wsum, want, 0, p.num_blocks)
+        out[...] = np.nan
+        before = count()
+        mod.gemm_int8(xq[:rows], xs[:rows], p.data, p.scale, p.wsum, out, 0, p.num_blocks)
+        assert_exact(want, out, what=f"gemm_int8 {what}")
+        if before is not None:
+            assert (count() > before) == streams, what
+
+
+def test_gemm_int8_streams_only_large_outputs_on_lines(EK):
+    """gemm_int8 stores its output with non-temporal stores exactly when it exceeds 1 MiB and its
+    rows start on lines (the model asserts every streamed row is on a line), fences once, and
+    gives the shared-output kernel's result bit for bit (which never streams)."""
+    EK.unit.fences = 0
+    _check_streams(EK, lambda: EK.unit.streamed)
+    assert EK.unit.fences == 1
+
+
+def test_gemm_int8_streamed_output_is_exact_on_amx(K):
+    """The same three outputs on the tile unit: streamed or not, the bits of the plain stores."""
+    _check_streams(K, lambda: None)
