@@ -286,39 +286,35 @@ def _scaled16(context, builder, sig, args, cv, k):
     return builder.fmul(builder.fmul(builder.sitofp(cv, _F32X16), _splat(builder, x, _F32X16)), sv)
 
 
-@intrinsic
-def row16_scale_store(typingctx, out, oi, c, ci, s, si, xm):
-    """out[oi : oi+16] = (fp32(c[ci : ci+16]) * xm) * s[si : si+16]   (c int32; out, s fp32)."""
-    _dtype_is(out, types.float32, "row16_scale_store out")
-    _dtype_is(c, types.int32, "row16_scale_store c")
-    _dtype_is(s, types.float32, "row16_scale_store s")
+def _row16_scale_store(name: str, stream: bool):
+    """The typer of ``row16_scale_store`` (stream False) / ``row16_scale_stream`` (True)."""
 
-    def codegen(context, builder, sig, args):
-        o = _vptr(context, builder, sig, args, 0, _F32X16)
-        cv = builder.load(_vptr(context, builder, sig, args, 2, _I32X16), align=4)
-        builder.store(_scaled16(context, builder, sig, args, cv, 4), o, align=4)
-        return context.get_dummy_value()
+    def typer(typingctx, out, oi, c, ci, s, si, xm):
+        _dtype_is(out, types.float32, f"{name} out")
+        _dtype_is(c, types.int32, f"{name} c")
+        _dtype_is(s, types.float32, f"{name} s")
 
-    return types.none(out, oi, c, ci, s, si, xm), codegen
+        def codegen(context, builder, sig, args):
+            o = _vptr(context, builder, sig, args, 0, _F32X16)
+            cv = builder.load(_vptr(context, builder, sig, args, 2, _I32X16), align=4)
+            st = builder.store(_scaled16(context, builder, sig, args, cv, 4), o, align=64 if stream else 4)
+            if stream:
+                st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            return context.get_dummy_value()
+
+        return types.none(out, oi, c, ci, s, si, xm), codegen
+
+    typer.__name__ = name
+    return typer
 
 
-@intrinsic
-def row16_scale_stream(typingctx, out, oi, c, ci, s, si, xm):
-    """``row16_scale_store`` with a non-temporal store (vmovntps: the line goes to memory without
-    being read first, and leaves the caches). out[oi:] must start on a 64-byte boundary (the
-    instruction faults otherwise): callers check the output's address and row stride."""
-    _dtype_is(out, types.float32, "row16_scale_stream out")
-    _dtype_is(c, types.int32, "row16_scale_stream c")
-    _dtype_is(s, types.float32, "row16_scale_stream s")
+row16_scale_store = intrinsic(_row16_scale_store("row16_scale_store", False))
+row16_scale_store.__doc__ = """out[oi : oi+16] = (fp32(c[ci : ci+16]) * xm) * s[si : si+16]   (c int32; out, s fp32)."""
 
-    def codegen(context, builder, sig, args):
-        o = _vptr(context, builder, sig, args, 0, _F32X16)
-        cv = builder.load(_vptr(context, builder, sig, args, 2, _I32X16), align=4)
-        st = builder.store(_scaled16(context, builder, sig, args, cv, 4), o, align=64)
-        st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
-        return context.get_dummy_value()
-
-    return types.none(out, oi, c, ci, s, si, xm), codegen
+row16_scale_stream = intrinsic(_row16_scale_store("row16_scale_stream", True))
+row16_scale_stream.__doc__ = """``row16_scale_store`` with a non-temporal store (vmovntps: the line goes to memory
+without being read first, and leaves the caches). out[oi:] must start on a 64-byte boundary (the
+instruction faults otherwise): callers check the output's address and row stride."""
 
 
 @intrinsic

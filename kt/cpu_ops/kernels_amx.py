@@ -637,8 +637,11 @@ def gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, l2, pfw, nta, 
     """Large-M INT8, staged (``_staged_pair``): K slices of at most kcs k-steps (16: a block pair's
     32 KiB slice of B fits L1), mc rows per M chunk, A streamed with the non-temporal hint (nta;
     False: plain loads), each panel's epilogue overlapped with the next panel's products; l2 / pfw
-    as ``gemm_int8_pipe``. nt: store the output with non-temporal stores (out's address and row
-    stride must be multiples of 64 bytes: ``_streams_out``). Same result as ``gemv_int8``."""
+    as ``gemm_int8_pipe``. nt: store the output with non-temporal stores (a ValueError unless out's
+    rows start on 64-byte lines: the stores would fault). Same result as ``gemv_int8``."""
+    if nt and not _out_on_lines(out):
+        raise ValueError("gemm_int8_staged: nt=True needs an output whose address and row stride "
+                         "are multiples of 64 bytes")
     _gemm_staged(xq, data, out, nb0, nb1, mc, kcs, l2, pfw, nta, False, xs, scale, nt)
 
 
@@ -676,8 +679,13 @@ def _streams_out(out, m, nblocks):
     (half the L2, which it leaves anyway; it then goes to memory without being read first) whose
     rows start on 64-byte boundaries (the stores fault otherwise). One core, M=512 N=1536 K=2048:
     8-12 % faster than plain stores (dev, session 28)."""
-    return (m * nblocks * 64 > 1 << 20 and out.ctypes.data % 64 == 0 and out.strides[0] % 64 == 0
-            and out.strides[1] == 4)
+    return m * nblocks * 64 > 1 << 20 and _out_on_lines(out)
+
+
+@njit(nogil=True, cache=True)
+def _out_on_lines(out):
+    """Whether every row of the fp32 output starts on a 64-byte line (its rows contiguous)."""
+    return out.ctypes.data % 64 == 0 and out.strides[0] % 64 == 0 and out.strides[1] == 4
 
 
 @njit(nogil=True, cache=True)
@@ -687,8 +695,10 @@ def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     18, dev and device, fast-state rounds): 1.26-1.29x the pipelined ``gemm_int8_pipe`` at N=1536
     K=2048, 1.5x at N=2048 K=768; the 16-thread layer the same within the noise.
     The output is not prefetched for writing: a caller's own output gains nothing from it (one
-    core, M=512: 4-9 % faster without, sessions 19-26). The MoE layer, whose output rows were last
-    written by other cores, takes ``gemm_int8_shared_out`` instead."""
+    core, M=512: 4-9 % faster without, sessions 19-26). An output over 1 MiB whose rows start on
+    64-byte lines is written with non-temporal stores (``_streams_out``; one core, M=512: 8-12 %
+    faster, session 28), so it is not in the caches afterwards. The MoE layer, whose output rows
+    were last written by other cores and are read next, takes ``gemm_int8_shared_out`` instead."""
     _gemm_int8(xq, xs, data, scale, out, nb0, nb1, False)
 
 

@@ -901,5 +901,16 @@ def test_gemm_int8_streams_only_large_outputs_on_lines(EK):
 
 
 def test_gemm_int8_streamed_output_is_exact_on_amx(K):
-    """The same three outputs on the tile unit: streamed or not, the bits of the plain stores."""
+    """The same three outputs on the tile unit: streamed or not, the bits of the plain stores; and
+    the staged kernel refuses to stream into rows off a line (vmovntps would fault)."""
     _check_streams(K, lambda: None)
+    x, w = _inputs(32, 64, 64, seed=2)
+    p = pack(w, "int8", 64)
+    xq, xs = ref.quantize_act(x)
+    from kt.cpu_ops import _align
+
+    off = _align.zeros(32 * 64 + 16, np.float32)[4:4 + 32 * 64].reshape(32, 64)   # 16 bytes past
+    wide = _align.zeros((32, 68), np.float32)[:, :64]                            # 272-byte rows
+    for out in (off, wide):
+        with pytest.raises(ValueError, match="64 bytes"):
+            K.gemm_int8_staged(xq, xs, p.data, p.scale, out, 0, p.num_blocks, 32, 16, 2, False, True, True)
