@@ -164,9 +164,9 @@ def _gemv_pf(a, data, out, nb0, nb1, pf, bf, xs, scale, l2):
     xs[m] * scale[n]) and ``gemv_bf16_pf`` (bf True: bf16-bits A, fp32 sums copied); pf: B
     prefetch distance in k-steps (0: none), into L1 (prefetcht0) or with l2 into L2 (prefetcht1)."""
     m_all = a.shape[0]
-    kel = 64 // a.itemsize          # A elements per 64-byte k-step row
+    kel = line_elems(a)             # A elements per 64-byte k-step row
     ks = a.shape[1] // kel
-    sb = 1024 // data.itemsize      # data elements per k-step tile
+    sb = 16 * line_elems(data)      # data elements per k-step tile
     xst = a.strides[0]
     xel = xst // a.itemsize
     ost = out.strides[0] // 4
@@ -274,7 +274,7 @@ def _pipe_panel(ap, a0, a1, data, o0, o1, ks, sb, bf, pfb, nxt0, nxt1, pl0, per,
     stores into rows another core wrote last do not wait for their lines.
     Leaves the products in C 0-3 (C0 = rows 0-15 x block 0, C1 = x block 1, C2/C3 rows 16-31).
     """
-    lw = 64 // data.itemsize  # elements per line
+    lw = line_elems(data)  # elements per line
     wper = (wrows + ks - 1) // ks
     tilezero(0)
     tilezero(1)
@@ -399,9 +399,9 @@ def _gemm_pipe(a, data, out, nb0, nb1, mc, pfb, l2, pfw, bf, xs, scale):
     pfw: prefetch each panel's output lines for writing while it is computed (outputs that
     another core wrote last: the MoE layer's shared gu / y rows)."""
     m_all = a.shape[0]
-    kel = 64 // a.itemsize          # A elements per 64-byte k-step row
+    kel = line_elems(a)             # A elements per 64-byte k-step row
     ks = a.shape[1] // kel
-    sb = 1024 // data.itemsize      # data elements per k-step tile
+    sb = 16 * line_elems(data)      # data elements per k-step tile
     ost = out.strides[0] // 4
     blk = data.shape[1] * (32 if bf else 64)
     ap = _pack_a(a, ks, kel)
@@ -605,7 +605,7 @@ def _gemm_staged(a, data, out, nb0, nb1, mc, kcs, l2, pfw, nta, bf, xs, scale, n
     written out at the end. nt (integer sums only): the output is stored non-temporally, and
     fenced before the return."""
     m_all = a.shape[0]
-    kel = 64 // a.itemsize
+    kel = line_elems(a)
     ks = a.shape[1] // kel
     ost = out.strides[0] // 4
     blk = data.shape[1] * (32 if bf else 64)
@@ -667,10 +667,11 @@ def _gemm_int8(xq, xs, data, scale, out, nb0, nb1, pfw):
     kcs = 32 if m <= mc else 16
     if m * xq.shape[1] <= 1 << 20:
         mc = max(mc, (m + 31) // 32 * 32)
+    # two calls with literal flags, so that each compiles a loop with only its own store form
     if not pfw and _streams_out(out, m, nb1 - nb0):
-        gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, 2, False, True, True)
+        _gemm_staged(xq, data, out, nb0, nb1, mc, kcs, 2, False, True, False, xs, scale, True)
     else:
-        gemm_int8_staged(xq, xs, data, scale, out, nb0, nb1, mc, kcs, 2, pfw, True, False)
+        _gemm_staged(xq, data, out, nb0, nb1, mc, kcs, 2, pfw, True, False, xs, scale, False)
 
 
 @njit(nogil=True, cache=True)
@@ -1246,9 +1247,9 @@ def _gemm_blocked(a, data, out, nb0, nb1, mc, kcs, pf, bf, xs, scale):
     A prefetch distance pf k-steps (0: none). bf False: int8 A, int32 sums scaled by
     xs[m] * scale[n]; bf True: bf16-bits A, fp32 sums copied."""
     m_all = a.shape[0]
-    kel = 64 // a.itemsize          # A elements per 64-byte k-step row
+    kel = line_elems(a)             # A elements per 64-byte k-step row
     ks = a.shape[1] // kel
-    sb = 1024 // data.itemsize      # data elements per k-step tile
+    sb = 16 * line_elems(data)      # data elements per k-step tile
     ost = out.strides[0] // 4
     blk = data.shape[1] * (32 if bf else 64)
     ap = _pack_a(a, ks, kel)
