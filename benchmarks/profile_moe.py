@@ -499,6 +499,12 @@ def main(argv=None):
                 for L in tl:
                     L.tail_experts, L.tail_parts = tail, parts
                 vars_[name] = tl
+            # the down GEMM's outputs with non-temporal stores at every T (where the layer's
+            # kernels have that form; the default takes it from y_stream_bytes of outputs on)
+            ynt = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
+            for L in ynt:
+                L.y_stream_bytes = 0
+            vars_["ynt"] = ynt
             if a.variant_names:
                 keep = set(a.variant_names.split(",")) | {"default"}
                 vars_ = {n: v for n, v in vars_.items() if n in keep}

@@ -68,7 +68,7 @@ cache.install()
 _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8/BF16 bodies (unused)
 _NO_SCALE = np.zeros((1, 1, 16), np.float32)  # INT4 group scales of a call that does not read them
 
-__all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16", "gemm_int8_shared_out",
+__all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16", "gemm_int8_shared_out", "gemm_int8_stream_out",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
            "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int8_staged",
            "gemm_bf16_staged", "gemm_int4_staged", "gemm_int4_inline", "gemm_int4_ratio",
@@ -654,21 +654,23 @@ def gemm_bf16_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw, nta):
 
 
 @njit(nogil=True, cache=True)
-def _gemm_int8(xq, xs, data, scale, out, nb0, nb1, pfw):
-    """``gemm_int8`` / ``gemm_int8_shared_out``: the staged kernel with K sliced as follows. K is
+def _gemm_int8(xq, xs, data, scale, out, nb0, nb1, pfw, stream):
+    """``gemm_int8`` / ``gemm_int8_shared_out`` / ``gemm_int8_stream_out``: the staged kernel with K sliced as follows. K is
     not sliced (32 k-steps: all of qwen3's gate+up) when the rows fit one M chunk, as a layer's
     experts do up to T=2048: in the layer, T=2048 was 0-8 % faster that way (three dev runs; 4 %
     in one device run, the other within its noise) and T=512 level or faster (session 21), though
     one core alone at M=128 on warm weights was 6 % slower. Above one chunk (issue 3's one core at
     M=512: 10 % faster) 16. Rows whose A fits 1 MiB make one M chunk (M=512 at K=2048, which
-    ``default_mc`` cuts in two): the weights stream once instead of twice."""
+    ``default_mc`` cuts in two): the weights stream once instead of twice. stream: 0 never
+    non-temporal stores, 1 for an output over 1 MiB on lines (``_streams_out``), 2 for any output
+    on lines; otherwise the output lines are requested for writing where pfw."""
     m = xq.shape[0]
     mc = default_mc(xq.shape[1])
     kcs = 32 if m <= mc else 16
     if m * xq.shape[1] <= 1 << 20:
         mc = max(mc, (m + 31) // 32 * 32)
     # two calls with literal flags, so that each compiles a loop with only its own store form
-    if not pfw and _streams_out(out, m, nb1 - nb0):
+    if (stream == 2 and _out_on_lines(out)) or (stream == 1 and _streams_out(out, m, nb1 - nb0)):
         _gemm_staged(xq, data, out, nb0, nb1, mc, kcs, 2, False, True, False, xs, scale, True)
     else:
         _gemm_staged(xq, data, out, nb0, nb1, mc, kcs, 2, pfw, True, False, xs, scale, False)
@@ -700,7 +702,7 @@ def gemm_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
     64-byte lines is written with non-temporal stores (``_streams_out``; one core, M=512: 8-12 %
     faster, session 28), so it is not in the caches afterwards. The MoE layer, whose output rows
     were last written by other cores and are read next, takes ``gemm_int8_shared_out`` instead."""
-    _gemm_int8(xq, xs, data, scale, out, nb0, nb1, False)
+    _gemm_int8(xq, xs, data, scale, out, nb0, nb1, False, 1)
 
 
 @njit(nogil=True, cache=True)
@@ -710,7 +712,16 @@ def gemm_int8_shared_out(xq, xs, data, scale, wsum, out, nb0, nb1):
     gate+up and down rows are (session 3: such an output made the down GEMM 2x slower). The layer
     was 15-18 % slower at T=2048 without it on 2 dev threads and 6-9 % on the device's 16 (qwen3,
     session 20), and T=512 1-5 % slower."""
-    _gemm_int8(xq, xs, data, scale, out, nb0, nb1, True)
+    _gemm_int8(xq, xs, data, scale, out, nb0, nb1, True, 0)
+
+
+@njit(nogil=True, cache=True)
+def gemm_int8_stream_out(xq, xs, data, scale, wsum, out, nb0, nb1):
+    """``gemm_int8`` with non-temporal stores whenever the output rows start on 64-byte lines
+    (else as ``gemm_int8_shared_out``): for the MoE layer's down outputs of a large chunk, which
+    leave the core's caches before the combine reads them, so reading each line before writing
+    it is traffic for nothing."""
+    _gemm_int8(xq, xs, data, scale, out, nb0, nb1, True, 2)
 
 
 # ----------------------------------------------------------------------------- INT4
@@ -1002,10 +1013,11 @@ def gemm_int4_ratio(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, pfw):
 
 
 @njit(nogil=True, cache=True)
-def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs, pfw, nta):
+def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs, pfw, nta, nt=False):
     """``gemm_int4_ratio`` with the staged INT8 loop (``_staged_pair``, K slices of at most kcs
     k-steps) in place of the whole-K pipelined panel: each block pair is unpacked to r_g * q once
-    per M chunk, then multiplied slice by slice. Same result as ``gemm_int4_ratio``."""
+    per M chunk, then multiplied slice by slice. nt: non-temporal output stores (out's rows must
+    start on 64-byte lines: the caller checks). Same result as ``gemm_int4_ratio``."""
     g = group_size
     ks = xq.shape[1] // 64
     ng = xq.shape[1] // g
@@ -1026,14 +1038,16 @@ def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs,
             two = b + 1 < nb1
             _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk)
             _staged_pair(ap, mc0, mc1, m_all, bs, 0, blk if two else 0, ks, kcs, out, ost, 16 * b, two,
-                         cp, cpart, st, False, srow, (b - nb0) * 16, xs, 0, 0, 0, 0, pfw, nta, False)
+                         cp, cpart, st, False, srow, (b - nb0) * 16, xs, 0, 0, 0, 0, pfw, nta, nt)
     if st[0] >= 0:
-        _drain(out, ost, cp, cp.view(np.float32), st, 0, 64, False, srow, xs, False)
+        _drain(out, ost, cp, cp.view(np.float32), st, 0, 64, False, srow, xs, nt)
+    if nt:
+        sfence()
     tilerelease()
 
 
 @njit(nogil=True, cache=True)
-def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep=False):
+def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep=False, nt=False):
     """Small-M INT4 (the experts of a prefill layer: tens of rows) on ratio scales, as
     ``gemm_int4_staged`` computes it but unpacking each k-step's two B tiles just before its
     products, into a two-slot ring of 2 KiB that stays in L1, instead of a whole block pair into a
@@ -1043,14 +1057,14 @@ def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw,
     pairs ahead into L2, a k-step's worth per k-step. pfw as ``gemm_int8_staged``. keep: the first
     panel unpacks every k-step into a whole-K buffer of the pair (2 KiB per k-step) instead of the
     ring, and the later panels multiply from it without unpacking again (for 2-4 panels: the
-    unpack still overlaps the first panel's products, once per pair). Same result as
-    ``gemm_int4_staged``."""
-    _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, _NO_SCALE, False)
+    unpack still overlaps the first panel's products, once per pair). nt as
+    ``gemm_int4_staged``. Same result as ``gemm_int4_staged``."""
+    _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, _NO_SCALE, False, nt)
 
 
 @njit(nogil=True, cache=True)
-def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, scale, lazy):
-    """The body of ``gemm_int4_inline``. lazy: srow / rx are not made yet; each block pair's
+def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, scale, lazy, nt):
+    """The body of ``gemm_int4_inline`` (nt: non-temporal output stores). lazy: srow / rx are not made yet; each block pair's
     ratios are made from ``scale`` (``_block_ratios``) just before the pair is first unpacked, and
     the group scales of the pair l2 ahead are prefetched with its packed lines, so reading the
     scales overlaps the products instead of preceding the call. Returns nb1, or (lazy) the first
@@ -1127,7 +1141,7 @@ def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, kee
                 tdpbssd(0, 4, 6)
                 tdpbssd(1, 4, 7)
                 if st[0] >= 0:
-                    _drain(out, ost, cp, cpf, st, s * dper, (s + 1) * dper, False, srow, xs, False)
+                    _drain(out, ost, cp, cpf, st, s * dper, (s + 1) * dper, False, srow, xs, nt)
                 if nxt:
                     if unp:
                         _unpack_kstep(data, b, lines, s + 1, lpg, ng, b - nb0, rx, ring, so)
@@ -1150,7 +1164,9 @@ def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, kee
             st[3] = 1 if two else 0
             st[4] = (b - nb0) * 16
     if st[0] >= 0:
-        _drain(out, ost, cp, cpf, st, 0, 64, False, srow, xs, False)
+        _drain(out, ost, cp, cpf, st, 0, 64, False, srow, xs, nt)
+    if nt:
+        sfence()
     tilerelease()
     return stop
 
@@ -1183,7 +1199,7 @@ def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2):
     mc = default_mc(xq.shape[1])
     if xq.shape[0] <= INT4_INLINE_MAX_M:
         nb0 = _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, True, True, scale,
-                           True)
+                           True, False)
     elif _int4_ratios(scale, nb0, nb1, srow, rx):
         gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True)
         return
@@ -1211,16 +1227,36 @@ def gemm_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
     instead of 64 of scales. The qwen3 INT4 layer with it, against ``gemm_int4`` (interleaved,
     session 21): T=512 9-11 % faster on 2 dev threads and 8-9 % on the device's 16, T=2048 0-4 %.
     Same result as ``gemm_int4``. Not a contract kernel: ``CPUMoE`` calls it with its tables."""
+    _int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1, False)
+
+
+@njit(nogil=True, cache=True)
+def gemm_int4_tab_stream_out(xq, xs, data, tab, group_size, out, nb0, nb1):
+    """``gemm_int4_tab`` with non-temporal stores whenever the output rows start on 64-byte
+    lines, as ``gemm_int8_stream_out``: for the MoE layer's down outputs of a large chunk."""
+    _int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1, _out_on_lines(out))
+
+
+@njit(nogil=True, cache=True)
+def _int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1, stream):
+    """The body of ``gemm_int4_tab`` (stream False) and ``gemm_int4_tab_stream_out``: the
+    stores non-temporal, and no output prefetch for writing, where stream (two calls with
+    literal flags each, so that the plain form's loops stay as they were)."""
     flat = tab.reshape(-1)
     nb = data.shape[0]
     ng = xq.shape[1] // group_size
     srow = flat[nb0 * 16:nb1 * 16]
     rx = flat[nb * 16:].view(np.int8)[nb0 * ng * 16:nb1 * ng * 16]
+    mc = default_mc(xq.shape[1])
     if xq.shape[0] <= INT4_INLINE_MAX_M:
-        gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, True, True)
+        if stream:
+            gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, False, True, True)
+        else:
+            gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, 1, True, True, False)
+    elif stream:
+        gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, False, True, True)
     else:
-        gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1,
-                         default_mc(xq.shape[1]), 16, True, True)
+        gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, 16, True, True, False)
 
 
 # ----------------------------------------------------------------------------- BF16

@@ -317,6 +317,7 @@ class CPUMoE:
             kv, km, self.variant = _kernel_pair(self.scheme, variant)
         self._kv, self._km = kv, km  # (contract kernels: another layer may be built with them)
         self._tabs, self._tab_m = None, False
+        kys = None  # a down GEMM with non-temporal output stores, where this variant has one
         if kernels is None and self.scheme is QuantScheme.INT4 and self.variant in ("amx", "avx512_vnni"):
             from . import kernels_avx512
 
@@ -340,6 +341,7 @@ class CPUMoE:
             elif self.variant == "amx" and self._tabs is not None:
                 # the prefill GEMM on the tables too
                 km, self._tab_m = kernels_amx.gemm_int4_tab, True
+                kys = kernels_amx.gemm_int4_tab_stream_out
         if kernels is None and self.scheme is QuantScheme.INT8 and self.variant == "amx":
             from . import kernels_amx
 
@@ -347,8 +349,17 @@ class CPUMoE:
                 # the layer's gate+up / down rows were last written by other cores: the form
                 # that requests them for writing early
                 km = kernels_amx.gemm_int8_shared_out
+                kys = kernels_amx.gemm_int8_stream_out
         code = _SCHEME_CODE[self.scheme]
         self._kaddr = (drv.kernel_address(kv, code), drv.kernel_address(km, code))
+        # the down GEMM of chunks whose outputs (y) take at least y_stream_bytes: the form with
+        # non-temporal stores, where the variant has one. Such a y (qwen3 T=2048: 134 MB) leaves
+        # the caches before the combine reads it, so reading each line before writing it is
+        # wasted traffic. Device, 16 threads, interleaved (session 29): INT8 T=2048 14.38 vs
+        # 15.64 ms, INT4 18.44 vs 18.85; at T=512 (34 MB) level or slower on the device, hence
+        # the threshold. A tuning knob, settable between calls.
+        self._kaddr_ys = drv.kernel_address(kys, code) if kys is not None else 0
+        self.y_stream_bytes = 64 << 20
         self.gemv_max = gemv_max if gemv_max is not None else gemv_max_rows(self.scheme, self.variant)
         # 16-row blocks per (expert, rows) task of the gate+up and down phases; 0 = the driver's
         # heuristic (_moe_driver._blocks_per_task). A tuning knob, not needed for correctness.
@@ -814,6 +825,8 @@ class CPUMoE:
         desc, _ = pool.begin(drv.jctrl_words(nch))
         tmpl = self._scratch_desc(pool, _cap(C * K * self.levels), _cap(C), K, self._act)
         desc[: tmpl.size] = tmpl
+        if self._kaddr_ys and C * K * self.levels * self.w2.n_pad * 4 >= self.y_stream_bytes:
+            desc[drv.D_KM2] = self._kaddr_ys
         prof = self._prof
         if prof is not None and prof.shape[0] < pool.num_threads:
             raise ValueError("CPUMoE.profile: the pool has more threads than the profile")

@@ -50,6 +50,8 @@ xb, db = t((2, 64), np.uint16), t((1, 32, 16, 2), np.uint16)
 sigs = {"gemv_int8": (xq, xs, d8, sc, ws, out, i64, i64),
         "gemm_int8": (xq, xs, d8, sc, ws, out, i64, i64),
         "gemm_int8_shared_out": (xq, xs, d8, sc, ws, out, i64, i64),
+        "gemm_int8_stream_out": (xq, xs, d8, sc, ws, out, i64, i64),
+        "gemm_int4_tab_stream_out": (xq, xs, d4, sc4, i64, out, i64, i64),
         "gemv_int4": (xq, xs, d4, sc4, i64, out, i64, i64),
         "gemm_int4": (xq, xs, d4, sc4, i64, out, i64, i64),
         "gemv_bf16": (xb, db, out, i64, i64),
@@ -61,7 +63,7 @@ for name, sig in sigs.items():
     asm = f.inspect_asm(sig)
     res[name] = {m: asm.count(m) for m in
                  ("tdpbssd", "tdpbf16ps", "tileloadd", "tileloaddt1", "tilestored", "ldtilecfg",
-                  "tilerelease")}
+                  "tilerelease", "vmovntps")}
 print("RESULT" + json.dumps(res))
 """
 
@@ -80,9 +82,14 @@ def test_amx_kernels_compile_to_tile_instructions(tmp_path):
     assert proc.returncode == 0, f"compile-only subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
     res = json.loads(line[len("RESULT"):])
-    for name in ("gemv_int8", "gemm_int8", "gemm_int8_shared_out", "gemv_int4", "gemm_int4"):
+    for name in ("gemv_int8", "gemm_int8", "gemm_int8_shared_out", "gemv_int4", "gemm_int4",
+                 "gemm_int8_stream_out", "gemm_int4_tab_stream_out"):
         c = res[name]
         assert c["tdpbssd"] > 0 and c["tdpbf16ps"] == 0, (name, c)
+    # the layer's down GEMMs of large chunks store with vmovntps; the shared-output form never
+    for name in ("gemm_int8_stream_out", "gemm_int4_tab_stream_out"):
+        assert res[name]["vmovntps"] > 0, (name, res[name])
+    assert res["gemm_int8_shared_out"]["vmovntps"] == 0, res["gemm_int8_shared_out"]
     for name in ("gemv_bf16", "gemm_bf16"):
         c = res[name]
         assert c["tdpbf16ps"] > 0 and c["tdpbssd"] == 0, (name, c)
@@ -898,6 +905,48 @@ def test_gemm_int8_streams_only_large_outputs_on_lines(EK):
     EK.unit.fences = 0
     _check_streams(EK, lambda: EK.unit.streamed)
     assert EK.unit.fences == 1
+
+
+def _check_stream_out(mod, count):
+    """gemm_int8_stream_out and gemm_int4_tab_stream_out (the MoE layer's down GEMMs of large
+    chunks) against their plain forms: the same bits into outputs of any size, inline (<= 128 rows)
+    and staged INT4, streamed exactly when the rows start on lines (the model asserts each streamed
+    row is on one), and one fence per streamed call."""
+    from kt.cpu_ops import _align
+    from kt.cpu_ops.packing import int4_ratio_table, pack_experts
+
+    n, d, g = 80, 128, 64                  # 5 blocks: the last pair is half
+    for m in (7, 150):
+        x, w = _inputs(m, n, d, seed=m + 5)
+        xq, xs = ref.quantize_act(x)
+        p8 = pack(w, "int8", 64)
+        p4 = pack_experts(w[None], QuantScheme.INT4, g)
+        tab = int4_ratio_table(p4.scale)
+        runs = (("int8", lambda o: mod.gemm_int8_shared_out(xq, xs, p8.data, p8.scale, p8.wsum, o, 0, p8.num_blocks),
+                 lambda o: mod.gemm_int8_stream_out(xq, xs, p8.data, p8.scale, p8.wsum, o, 0, p8.num_blocks)),
+                ("int4", lambda o: mod.gemm_int4_tab(xq, xs, p4.data[0], tab[0], g, o, 0, p4.data.shape[1]),
+                 lambda o: mod.gemm_int4_tab_stream_out(xq, xs, p4.data[0], tab[0], g, o, 0, p4.data.shape[1])))
+        for scheme, plain, streamed in runs:
+            on = _align.empty((m, 80), np.float32)
+            off = _align.empty(m * 80 + 16, np.float32)[4:4 + m * 80].reshape(m, 80)
+            for what, out, streams in (("on lines", on, True), ("off a line", off, False)):
+                want = np.full(out.shape, np.nan, np.float32)
+                plain(want)
+                out[...] = np.nan
+                before = count()
+                streamed(out)
+                assert_exact(want, out, what=f"{scheme} stream_out M={m} {what}")
+                if before is not None:
+                    assert (count()[0] > before[0]) == streams, (scheme, m, what)
+                    assert count()[1] - before[1] == (1 if streams else 0), (scheme, m, what)
+
+
+def test_down_stream_out_kernels_emulated(EK):
+    _check_stream_out(EK, lambda: (EK.unit.streamed, EK.unit.fences))
+
+
+def test_down_stream_out_kernels_on_amx(K):
+    _check_stream_out(K, lambda: None)
 
 
 def test_gemm_int8_streamed_output_is_exact_on_amx(K):
