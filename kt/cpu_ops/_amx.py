@@ -28,7 +28,7 @@ __all__ = [
     "require_amx", "allow_compile_only", "set_tilecfg", "ldtilecfg", "tilerelease", "sfence", "tilezero",
     "tileloadd64", "tileloaddt164", "tilestored64", "tdpbssd", "tdpbsud",
     "tdpbf16ps",
-    "row16_scale_store", "row16_scale_stream", "row16_scale_bits", "row16_fma", "row16_mul_store", "row16_max", "ratio_row16", "copy64",
+    "row16_scale_store", "row16_scale_stream", "row16_scale_bits", "row16_fma", "row16_mul_store", "row16_max", "ratio_row16", "copy64", "copy64_stream",
     "unpack_int4_line", "unpack_int4_line_mul", "unpack_int4_group_mul", "prefetch_l1", "prefetch_l2",
     "prefetch_w",
 ]
@@ -369,18 +369,32 @@ def row16_mul_store(typingctx, out, oi, a, ai, xm):
     return types.none(out, oi, a, ai, xm), codegen
 
 
-@intrinsic
-def copy64(typingctx, dst, di, src, si):
-    """Copy 64 bytes from src (element si) to dst (element di); any dtypes."""
-    _check_mem(dst, di, "copy64")
-    _check_mem(src, si, "copy64")
+def _copy64(name: str, stream: bool):
+    """The typer of ``copy64`` (stream False) / ``copy64_stream`` (True)."""
 
-    def codegen(context, builder, sig, args):
-        v = builder.load(_vptr(context, builder, sig, args, 2, _I8X64), align=1)
-        builder.store(v, _vptr(context, builder, sig, args, 0, _I8X64), align=1)
-        return context.get_dummy_value()
+    def typer(typingctx, dst, di, src, si):
+        _check_mem(dst, di, name)
+        _check_mem(src, si, name)
 
-    return types.none(dst, di, src, si), codegen
+        def codegen(context, builder, sig, args):
+            v = builder.load(_vptr(context, builder, sig, args, 2, _I8X64), align=1)
+            st = builder.store(v, _vptr(context, builder, sig, args, 0, _I8X64), align=64 if stream else 1)
+            if stream:
+                st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            return context.get_dummy_value()
+
+        return types.none(dst, di, src, si), codegen
+
+    typer.__name__ = name
+    return typer
+
+
+copy64 = intrinsic(_copy64("copy64", False))
+copy64.__doc__ = """Copy 64 bytes from src (element si) to dst (element di); any dtypes."""
+
+copy64_stream = intrinsic(_copy64("copy64_stream", True))
+copy64_stream.__doc__ = """``copy64`` with a non-temporal store (the line goes to memory without being read
+first). dst[di:] must start on a 64-byte boundary (the store faults otherwise): callers check."""
 
 
 @intrinsic

@@ -56,7 +56,7 @@ from numba import njit
 from . import cache
 from ._simd import empty_line, line_elems
 from ..reference import INT4_RATIO_MAX
-from ._amx import (copy64, ldtilecfg, prefetch_l1, prefetch_l2, prefetch_w, ratio_row16, require_amx,
+from ._amx import (copy64, copy64_stream, ldtilecfg, prefetch_l1, prefetch_l2, prefetch_w, ratio_row16, require_amx,
                    row16_fma, row16_max, row16_mul_store, row16_scale_bits, row16_scale_store,
                    row16_scale_stream, set_tilecfg, sfence, tdpbf16ps, tdpbssd, tilezero, tileloadd64,
                    tileloaddt164, tilerelease, tilestored64,
@@ -68,7 +68,7 @@ cache.install()
 _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8/BF16 bodies (unused)
 _NO_SCALE = np.zeros((1, 1, 16), np.float32)  # INT4 group scales of a call that does not read them
 
-__all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16", "gemm_int8_shared_out", "gemm_int8_stream_out",
+__all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16", "gemm_int8_shared_out", "gemm_int8_stream_out", "gemm_bf16_stream_out",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
            "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int8_staged",
            "gemm_bf16_staged", "gemm_int4_staged", "gemm_int4_inline", "gemm_int4_ratio",
@@ -451,7 +451,7 @@ def gemm_bf16_pipe(xb, data, out, nb0, nb1, mc, pfb, l2, pfw):
 def _drain(out, ost, cp, cpf, st, q0, q1, bf, scale, xs, nt):
     """Half-rows q in [q0, q1) of the panel staged in cp (int32 [32 x 32]; row q >> 1, columns
     16 (q & 1)..; cpf: the same buffer as fp32) -> out: the fp32 sums copied (bf), or the int32
-    sums times xs[m] * scale[so + j], stored non-temporally where nt (out's rows on lines).
+    sums times xs[m] * scale[so + j]; stored non-temporally where nt (out's rows on lines).
     st: the staged panel (first row, first column, rows, two blocks, scale offset; st[0] < 0:
     none)."""
     pm = st[0]
@@ -461,7 +461,9 @@ def _drain(out, ost, cp, cpf, st, q0, q1, bf, scale, xs, nt):
         if h == 0 or st[3]:
             i = q >> 1
             oi = (pm + i) * ost + pn + h
-            if bf:
+            if bf and nt:
+                copy64_stream(out, oi, cpf, i * 32 + h)
+            elif bf:
                 copy64(out, oi, cpf, i * 32 + h)
             elif nt:
                 row16_scale_stream(out, oi, cp, i * 32 + h, scale, st[4] + h, xs[pm + i])
@@ -602,8 +604,8 @@ def _staged_buffers(mc):
 def _gemm_staged(a, data, out, nb0, nb1, mc, kcs, l2, pfw, nta, bf, xs, scale, nt):
     """The staged large-M GEMM of ``gemm_int8_staged`` (bf False) and ``gemm_bf16_staged`` (bf
     True): M chunks of mc rows x block pairs x ``_staged_pair``; the last staged panel is
-    written out at the end. nt (integer sums only): the output is stored non-temporally, and
-    fenced before the return."""
+    written out at the end. nt: the output is stored non-temporally, and fenced before the
+    return (with bf, only the last K slice's sums reach out: the partial sums wait in cpart)."""
     m_all = a.shape[0]
     kel = line_elems(a)
     ks = a.shape[1] // kel
@@ -1385,6 +1387,18 @@ def gemm_bf16(xb, data, out, nb0, nb1):
     M=512 (session 18, dev): 1.1x / 1.2x the pipelined ``gemm_bf16_pipe`` (gate+up / down); the
     16-thread layer the same within 3 %."""
     gemm_bf16_staged(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 16, 1, True, True)
+
+
+@njit(nogil=True, cache=True)
+def gemm_bf16_stream_out(xb, data, out, nb0, nb1):
+    """``gemm_bf16`` with non-temporal stores and no output prefetch for writing whenever the
+    output rows start on 64-byte lines (else as ``gemm_bf16``), as ``gemm_int8_stream_out``: for
+    the MoE layer's down outputs of a large chunk. Same result as ``gemm_bf16``."""
+    mc = default_mc(2 * xb.shape[1])
+    if _out_on_lines(out):
+        _gemm_staged(xb, data, out, nb0, nb1, mc, 16, 1, False, True, True, _NO_XS, _NO_XS, True)
+    else:
+        _gemm_staged(xb, data, out, nb0, nb1, mc, 16, 1, True, True, True, _NO_XS, _NO_XS, False)
 
 
 # ----------------------------------------------------------------------------- roofline

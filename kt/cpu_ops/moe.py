@@ -350,6 +350,11 @@ class CPUMoE:
                 # that requests them for writing early
                 km = kernels_amx.gemm_int8_shared_out
                 kys = kernels_amx.gemm_int8_stream_out
+        if kernels is None and self.scheme is QuantScheme.BF16 and self.variant == "amx":
+            from . import kernels_amx
+
+            if km is kernels_amx.gemm_bf16:
+                kys = kernels_amx.gemm_bf16_stream_out
         code = _SCHEME_CODE[self.scheme]
         self._kaddr = (drv.kernel_address(kv, code), drv.kernel_address(km, code))
         # the down GEMM of chunks whose outputs (y) take at least y_stream_bytes: the form with
@@ -357,7 +362,7 @@ class CPUMoE:
         # the caches before the combine reads it, so reading each line before writing it is
         # wasted traffic. Device, 16 threads, interleaved (session 29): INT8 T=2048 14.38 vs
         # 15.64 ms, INT4 18.44 vs 18.85; at T=512 (34 MB) level or slower on the device, hence
-        # the threshold. A tuning knob, settable between calls.
+        # the threshold. A tuning knob, settable between calls. (BF16: see RESULTS.md section 2.)
         self._kaddr_ys = drv.kernel_address(kys, code) if kys is not None else 0
         self.y_stream_bytes = 64 << 20
         self.gemv_max = gemv_max if gemv_max is not None else gemv_max_rows(self.scheme, self.variant)

@@ -52,6 +52,7 @@ sigs = {"gemv_int8": (xq, xs, d8, sc, ws, out, i64, i64),
         "gemm_int8_shared_out": (xq, xs, d8, sc, ws, out, i64, i64),
         "gemm_int8_stream_out": (xq, xs, d8, sc, ws, out, i64, i64),
         "gemm_int4_tab_stream_out": (xq, xs, d4, sc4, i64, out, i64, i64),
+        "gemm_bf16_stream_out": (xb, db, out, i64, i64),
         "gemv_int4": (xq, xs, d4, sc4, i64, out, i64, i64),
         "gemm_int4": (xq, xs, d4, sc4, i64, out, i64, i64),
         "gemv_bf16": (xb, db, out, i64, i64),
@@ -63,7 +64,7 @@ for name, sig in sigs.items():
     asm = f.inspect_asm(sig)
     res[name] = {m: asm.count(m) for m in
                  ("tdpbssd", "tdpbf16ps", "tileloadd", "tileloaddt1", "tilestored", "ldtilecfg",
-                  "tilerelease", "vmovntps")}
+                  "tilerelease", "vmovntps", "vmovntdq")}
 print("RESULT" + json.dumps(res))
 """
 
@@ -89,6 +90,10 @@ def test_amx_kernels_compile_to_tile_instructions(tmp_path):
     # the layer's down GEMMs of large chunks store with vmovntps; the shared-output form never
     for name in ("gemm_int8_stream_out", "gemm_int4_tab_stream_out"):
         assert res[name]["vmovntps"] > 0, (name, res[name])
+    # the BF16 form copies its fp32 sums with a non-temporal store of 64 bytes (vmovntdq / vmovntps)
+    c = res["gemm_bf16_stream_out"]
+    assert c["tdpbf16ps"] > 0 and c["vmovntdq"] + c["vmovntps"] > 0, c
+    assert res["gemm_bf16"]["vmovntdq"] + res["gemm_bf16"]["vmovntps"] == 0, res["gemm_bf16"]
     assert res["gemm_int8_shared_out"]["vmovntps"] == 0, res["gemm_int8_shared_out"]
     for name in ("gemv_bf16", "gemm_bf16"):
         c = res[name]
@@ -445,6 +450,11 @@ class TileUnit:
         n_dst, n_src = 64 // dst.itemsize, 64 // src.itemsize
         self._flat(dst, di, n_dst).view(np.uint8)[:] = self._flat(src, si, n_src).view(np.uint8)
 
+    def copy64_stream(self, dst, di, src, si):
+        assert (dst.ctypes.data + di * dst.itemsize) % 64 == 0, "non-temporal store off a line"
+        self.streamed += 1
+        self.copy64(dst, di, src, si)
+
     def unpack_int4_line(self, src, si, dst, di):
         v = self._flat(src, si, 64).astype(np.int16)
         d = self._flat(dst, di, 128)
@@ -535,7 +545,7 @@ def emulated_kernels(monkeypatch):
                  "tdpbssd", "tdpbf16ps", "row16_scale_store", "row16_scale_stream", "sfence",
                  "row16_scale_bits", "row16_fma",
                  "row16_mul_store",
-                 "copy64", "unpack_int4_line", "unpack_int4_line_mul", "unpack_int4_group_mul", "row16_max",
+                 "copy64", "copy64_stream", "unpack_int4_line", "unpack_int4_line_mul", "unpack_int4_group_mul", "row16_max",
                  "ratio_row16",
                  "prefetch_l1", "prefetch_l2", "prefetch_w"):
         setattr(mod, name, getattr(unit, name))
@@ -908,8 +918,8 @@ def test_gemm_int8_streams_only_large_outputs_on_lines(EK):
 
 
 def _check_stream_out(mod, count):
-    """gemm_int8_stream_out and gemm_int4_tab_stream_out (the MoE layer's down GEMMs of large
-    chunks) against their plain forms: the same bits into outputs of any size, inline (<= 128 rows)
+    """gemm_int8_stream_out, gemm_int4_tab_stream_out and gemm_bf16_stream_out (the MoE layer's
+    down GEMMs of large chunks) against their plain forms: the same bits into outputs of any size, inline (<= 128 rows)
     and staged INT4, streamed exactly when the rows start on lines (the model asserts each streamed
     row is on one), and one fence per streamed call."""
     from kt.cpu_ops import _align
@@ -922,10 +932,17 @@ def _check_stream_out(mod, count):
         p8 = pack(w, "int8", 64)
         p4 = pack_experts(w[None], QuantScheme.INT4, g)
         tab = int4_ratio_table(p4.scale)
+        # BF16 over K = 1056: three K slices, whose fp32 partial sums wait in cpart (only the last
+        # slice's sums are stored, streamed or not)
+        xbf, wbf = _inputs(m, n, 1056, seed=m + 6)
+        pb = pack(wbf, "bf16", 64)
+        xb = _pad_cols(ref.f32_to_bf16_bits(xbf), pb.d_pad)
         runs = (("int8", lambda o: mod.gemm_int8_shared_out(xq, xs, p8.data, p8.scale, p8.wsum, o, 0, p8.num_blocks),
                  lambda o: mod.gemm_int8_stream_out(xq, xs, p8.data, p8.scale, p8.wsum, o, 0, p8.num_blocks)),
                 ("int4", lambda o: mod.gemm_int4_tab(xq, xs, p4.data[0], tab[0], g, o, 0, p4.data.shape[1]),
-                 lambda o: mod.gemm_int4_tab_stream_out(xq, xs, p4.data[0], tab[0], g, o, 0, p4.data.shape[1])))
+                 lambda o: mod.gemm_int4_tab_stream_out(xq, xs, p4.data[0], tab[0], g, o, 0, p4.data.shape[1])),
+                ("bf16", lambda o: mod.gemm_bf16(xb, pb.data, o, 0, pb.num_blocks),
+                 lambda o: mod.gemm_bf16_stream_out(xb, pb.data, o, 0, pb.num_blocks)))
         for scheme, plain, streamed in runs:
             on = _align.empty((m, 80), np.float32)
             off = _align.empty(m * 80 + 16, np.float32)[4:4 + m * 80].reshape(m, 80)

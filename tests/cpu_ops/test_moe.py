@@ -625,7 +625,7 @@ def test_registry_kernels_tight(scheme, variant, pool):
 
 
 @pytest.mark.skipif(isa.cpu_variant() != "amx", reason="the streamed down GEMMs are AMX kernels")
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
 def test_streamed_down_outputs_give_the_plain_bits(scheme, pool):
     """A chunk whose y takes y_stream_bytes or more runs its down GEMM with non-temporal stores
     (qwen3 T=2048 by default): the layer's output is bit-identical to the plain stores', over
