@@ -505,6 +505,11 @@ def main(argv=None):
             for L in ynt:
                 L.y_stream_bytes = 0
             vars_["ynt"] = ynt
+            # and never (the default streams from y_stream_bytes on: qwen3 T=2048)
+            ynoff = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
+            for L in ynoff:
+                L.y_stream_bytes = 1 << 62
+            vars_["ynt_off"] = ynoff
             if a.variant_names:
                 keep = set(a.variant_names.split(",")) | {"default"}
                 vars_ = {n: v for n, v in vars_.items() if n in keep}
