@@ -68,7 +68,8 @@ cache.install()
 _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8/BF16 bodies (unused)
 _NO_SCALE = np.zeros((1, 1, 16), np.float32)  # INT4 group scales of a call that does not read them
 
-__all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16", "gemm_int8_shared_out", "gemm_int8_stream_out", "gemm_bf16_stream_out",
+__all__ = ["gemv_int8", "gemm_int8", "gemv_int4", "gemm_int4", "gemv_bf16", "gemm_bf16", "gemm_int8_shared_out",
+           "gemm_int8_stream_out", "gemm_int4_tab_stream_out", "gemm_bf16_stream_out", "STREAM_OUT_FORM",
            "gemv_int8_pf", "gemv_int4_pf", "gemv_bf16_pf", "gemm_int8_blocked", "gemm_int4_blocked",
            "gemm_bf16_blocked", "gemm_int8_pipe", "gemm_bf16_pipe", "gemm_int8_staged",
            "gemm_bf16_staged", "gemm_int4_staged", "gemm_int4_inline", "gemm_int4_ratio",
@@ -1394,11 +1395,17 @@ def gemm_bf16_stream_out(xb, data, out, nb0, nb1):
     """``gemm_bf16`` with non-temporal stores and no output prefetch for writing whenever the
     output rows start on 64-byte lines (else as ``gemm_bf16``), as ``gemm_int8_stream_out``: for
     the MoE layer's down outputs of a large chunk. Same result as ``gemm_bf16``."""
-    mc = default_mc(2 * xb.shape[1])
     if _out_on_lines(out):
-        _gemm_staged(xb, data, out, nb0, nb1, mc, 16, 1, False, True, True, _NO_XS, _NO_XS, True)
+        _gemm_staged(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 16, 1, False, True, True,
+                     _NO_XS, _NO_XS, True)
     else:
-        _gemm_staged(xb, data, out, nb0, nb1, mc, 16, 1, True, True, True, _NO_XS, _NO_XS, False)
+        gemm_bf16(xb, data, out, nb0, nb1)
+
+
+# The MoE layer's large-T down GEMM: each prefill kernel it may run -> the form of it that stores
+# its output with non-temporal stores (CPUMoE.y_stream_bytes)
+STREAM_OUT_FORM = {gemm_int8_shared_out: gemm_int8_stream_out, gemm_int4_tab: gemm_int4_tab_stream_out,
+                   gemm_bf16: gemm_bf16_stream_out}
 
 
 # ----------------------------------------------------------------------------- roofline

@@ -317,7 +317,6 @@ class CPUMoE:
             kv, km, self.variant = _kernel_pair(self.scheme, variant)
         self._kv, self._km = kv, km  # (contract kernels: another layer may be built with them)
         self._tabs, self._tab_m = None, False
-        kys = None  # a down GEMM with non-temporal output stores, where this variant has one
         if kernels is None and self.scheme is QuantScheme.INT4 and self.variant in ("amx", "avx512_vnni"):
             from . import kernels_avx512
 
@@ -341,7 +340,6 @@ class CPUMoE:
             elif self.variant == "amx" and self._tabs is not None:
                 # the prefill GEMM on the tables too
                 km, self._tab_m = kernels_amx.gemm_int4_tab, True
-                kys = kernels_amx.gemm_int4_tab_stream_out
         if kernels is None and self.scheme is QuantScheme.INT8 and self.variant == "amx":
             from . import kernels_amx
 
@@ -349,12 +347,11 @@ class CPUMoE:
                 # the layer's gate+up / down rows were last written by other cores: the form
                 # that requests them for writing early
                 km = kernels_amx.gemm_int8_shared_out
-                kys = kernels_amx.gemm_int8_stream_out
-        if kernels is None and self.scheme is QuantScheme.BF16 and self.variant == "amx":
+        kys = None  # the down GEMM with non-temporal output stores, where km has that form
+        if kernels is None and self.variant == "amx":
             from . import kernels_amx
 
-            if km is kernels_amx.gemm_bf16:
-                kys = kernels_amx.gemm_bf16_stream_out
+            kys = kernels_amx.STREAM_OUT_FORM.get(km)
         code = _SCHEME_CODE[self.scheme]
         self._kaddr = (drv.kernel_address(kv, code), drv.kernel_address(km, code))
         # the down GEMM of chunks whose outputs (y) take at least y_stream_bytes: the form with
