@@ -357,3 +357,68 @@ def test_graph_runner_capture_logs_inside_the_graph_context(monkeypatch):
     assert seen[0] == ("init", "G", "P", "S") and seen[1] == ("enter", runner.log, False)
     assert seen[2] == ("exit", runner.log, None) and seen[-1] == ("exit", runner.log, ValueError)
     assert getattr(sb._capture, "log", None) is None and gc.isenabled()
+
+
+_SHARED_POOL_SCRIPT = r"""
+import sys, threading, time
+import numpy as np, torch
+from kt.cpu_ops.moe import CPUMoE
+from kt.gpu_ops import stream_sync as ss
+from kt.testing import random_expert_weights
+
+E, K, H, I = 8, 2, 64, 32
+cpu = CPUMoE.from_tensors(*random_expert_weights(E, H, I, seed=5), scheme="bf16")
+rng = np.random.default_rng(0)
+
+def inputs(t):
+    x = rng.standard_normal((t, H), dtype=np.float32)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int64)
+    return x, ids, rng.random((t, K), dtype=np.float32)
+
+xg, ig, wg = inputs(3)
+want_g = cpu(torch.from_numpy(xg), torch.from_numpy(ig), torch.from_numpy(wg)).numpy()
+xp, ip, wp = (torch.from_numpy(a) for a in inputs(2))
+want_p = cpu(xp, ip, wp)
+stop = time.monotonic() + float(sys.argv[1])
+bad, counts = [], {}
+
+def gated():  # what the stream service does: publish, let the "stream" start it, join it
+    n = 0
+    while time.monotonic() < stop:
+        flags = np.zeros(32, np.int32)
+        out = np.zeros((3, H), np.float32)
+        h = cpu.submit_gated(xg, ig, wg, out, flags.ctypes.data, flags.ctypes.data + 64)
+        ss.store_flag(flags.ctypes.data, 1)
+        r = h.wait()
+        if not (r.finished and np.array_equal(out, want_g)):
+            bad.append("gated")
+        n += 1
+    counts["gated"] = n
+
+t = threading.Thread(target=gated)
+t.start()
+n = 0
+while time.monotonic() < stop:  # the caller's own thread: plain calls on the same pool
+    if not torch.equal(cpu(xp, ip, wp), want_p):
+        bad.append("plain")
+    n += 1
+t.join()
+print("ok" if not bad and n and counts["gated"] else f"BAD {bad[:3]} plain={n} {counts}")
+"""
+
+
+def test_a_gated_waiter_and_another_threads_calls_share_one_pool(tmp_path):
+    """The stream service waits for (joins) its gated jobs while another thread calls layers on
+    the same pool: the waiter joins only while its job is open and counted as a participant, and
+    one thread at a time writes the pool's descriptor. (Before, a waiter that joined late ran
+    the next job's half-written descriptor: CI died of a SIGSEGV in this file, and this loop
+    crashed within 1.5 s every time.) In a child process, so a regression is a failure here."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "shared_pool.py"
+    script.write_text(_SHARED_POOL_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), "1.5"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout[-2000:],
+                                                                    r.stderr[-2000:])

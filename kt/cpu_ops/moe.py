@@ -706,9 +706,15 @@ class CPUMoE:
             return None
         ob = torch.empty(shape, dtype=dt)
         pool = self.pool
-        desc, words = self._call_words(pool, T, K, False, kind, kind, None)
-        lo, hi = drv.put_call_at(desc, x.data_ptr(), ob.data_ptr(), ia, wa, ma, self.hidden, K, E, *words)
+        try:
+            desc, words = self._call_words(pool, T, K, False, kind, kind, None)
+            lo, hi = drv.put_call_at(desc, x.data_ptr(), ob.data_ptr(), ia, wa, ma, self.hidden, K,
+                                     E, *words)
+        except BaseException:
+            pool.unbegin()
+            raise
         if lo < -1 or hi >= E:  # begun but not published: the general path says what is wrong
+            pool.unbegin()
             return None
         h = pool.submit_native(drv.moe_job, keep=(x, ob, topk_ids, topk_weights, gpu_mask, self))
         # _finish_out's "written in place" case: the result is ob itself
@@ -813,8 +819,12 @@ class CPUMoE:
         """Start the job for tokens [j0, j1) on the pool (at most MAX_CHUNKS_PER_JOB chunks);
         returns its pool handle. gate: (start flag, done flag, result words) of a stream-gated job."""
         xs, os_, is_, ws = xa[j0:j1], ob[j0:j1], ids[j0:j1], tw[j0:j1]
-        desc, words = self._call_words(pool, j1 - j0, K, incremental, xkind, okind, gate)
-        drv.put_call(desc, xs, os_, is_, ws, mask, *words)
+        try:
+            desc, words = self._call_words(pool, j1 - j0, K, incremental, xkind, okind, gate)
+            drv.put_call(desc, xs, os_, is_, ws, mask, *words)
+        except BaseException:  # begun, not published: free the pool for other submitters
+            pool.unbegin()
+            raise
         return pool.submit_native(drv.moe_job, keep=(xs, os_, is_, ws, mask, self,
                                                      None if gate is None else gate[2]))
 

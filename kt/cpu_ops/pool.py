@@ -25,6 +25,11 @@ left the job); it sets ``jctrl[JOB_ABORT]`` so that the others stop early. The p
 A native job that gives up a wait (its own watchdog) sets ``jctrl[JOB_WATCHDOG]`` and aborts:
 ``wait()`` then raises a TimeoutError-caused RuntimeError instead of hanging.
 ``shutdown()`` (also run at interpreter exit, and when the pool is garbage-collected) joins cleanly.
+
+Threads may share a pool (a hybrid layer's stream service publishes and joins its jobs while the
+caller's thread runs other layers on it): ``begin()`` makes its thread the one submitter until the
+job is published, and a waiting caller joins a job only while it is open, counted as the workers
+are, so a late joiner never enters the next job's descriptor while it is being written.
 """
 from __future__ import annotations
 
@@ -337,7 +342,7 @@ def numa_nodes(allowed: set[int] | None = None) -> dict[int, list[int]]:
 
 
 class _Job:
-    __slots__ = ("fn", "native", "errors", "complete", "keep", "lock")
+    __slots__ = ("fn", "native", "errors", "complete", "keep", "lock", "finishing", "seq")
 
     def __init__(self, fn, native, keep=None):
         self.fn = fn
@@ -345,7 +350,9 @@ class _Job:
         self.errors: list[tuple[int, BaseException]] = []
         self.complete = False
         self.keep = keep  # arrays the descriptor points into, alive until the job completes
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards errors
+        self.finishing = threading.Lock()  # one waiter marks the job complete
+        self.seq = 0  # ctrl[_SEQ] while the job is open to joiners (set when published)
 
 
 class _State:
@@ -361,7 +368,10 @@ class _State:
         self.sleepers = 0
         self.job: _Job | None = None
         self.threads: list[threading.Thread] = []
-        self.lock = threading.Lock()  # one submitter at a time
+        self.lock = threading.Lock()  # guards publication and shutdown
+        # one submitter from begin() to its publication: (lock, the holder's thread ident)
+        self.submit_lock = threading.Lock()
+        self.submitter: int | None = None
         self.closed = False
 
 
@@ -615,17 +625,21 @@ class CpuPool:
     def begin(self, jctrl_words: int = JOB_FREE) -> tuple[np.ndarray, np.ndarray]:
         """Finish the job in flight, close the pool to late joiners, and hand out (desc, jctrl)
         for the next native job: write ``desc``, then ``submit_native``. ``jctrl[:jctrl_words]``
-        is zeroed."""
+        is zeroed. Until the submit (or ``unbegin()``) another thread's ``begin()`` waits."""
         st = self._state
         if st.closed:
             raise RuntimeError("kt CpuPool: used after shutdown()")
         if not JOB_FREE <= jctrl_words <= JCTRL_SIZE:
             raise ValueError(f"jctrl_words must be in [{JOB_FREE}, {JCTRL_SIZE}], got {jctrl_words}")
+        self._claim()
         if self._last is not None and not self._last.complete:
             self._wait_job(self._last)
         seq = _load_gil(st.ctrl, _SEQ)
         if seq > 0:
-            _store_gil(st.ctrl, _SEQ, -seq)  # closed: workers that see a job now must leave it
+            # closed: participants that see the job now must leave it. A locked add, not a plain
+            # store: the store is then ordered before the _ACTIVE loads below, so no joiner can
+            # count itself after those loads and still read the open sequence number.
+            _add_gil(st.ctrl, _SEQ, -2 * seq)
         if not _spin_idle(st.ctrl, self._spin_iters):
             while not _spin_idle(st.ctrl, 1000):
                 time.sleep(0.0002)
@@ -639,13 +653,34 @@ class CpuPool:
                 raise RuntimeError("kt CpuPool: submit() after shutdown()")
             st.job = job
             _store_gil(st.ctrl, _KIND, kind)
-            seq = _load_gil(st.ctrl, _SEQ)
-            _store_gil(st.ctrl, _SEQ, abs(seq) + 1)
+            job.seq = abs(int(_load_gil(st.ctrl, _SEQ))) + 1
+            _store_gil(st.ctrl, _SEQ, job.seq)
             if st.sleepers:
                 with st.cond:
                     st.cond.notify_all()
         self._last = job
+        self.unbegin()
         return PoolHandle(self, job, finish)
+
+    def _claim(self) -> None:
+        """Make this thread the pool's one submitter until its job is published (or
+        ``unbegin()``): another thread's ``begin()`` waits here, so two threads that share a
+        pool (a hybrid layer's stream service and the caller's own thread) never write the one
+        descriptor at once. A thread that calls ``begin()`` again holds it already."""
+        st = self._state
+        me = threading.get_ident()
+        if st.submitter != me:
+            st.submit_lock.acquire()
+            st.submitter = me
+
+    def unbegin(self) -> None:
+        """Give up a ``begin()`` that will not be followed by a submit (nothing was published:
+        the descriptor is rewritten by the next ``begin()``). No effect unless this thread
+        holds it."""
+        st = self._state
+        if st.submitter == threading.get_ident():
+            st.submitter = None
+            st.submit_lock.release()
 
     def submit(self, fn, finish=None) -> PoolHandle:
         """Run the Python callable ``fn(tid)`` once for each tid in [0, num_threads);
@@ -675,14 +710,33 @@ class CpuPool:
             _store_gil(st.jctrl, JOB_ABORT, 1)
 
     def _wait_job(self, job: _Job) -> None:
+        """Join ``job`` (when the caller joins) and return once it is complete. Two threads may
+        wait for one job (a hybrid layer's stream service, and another thread's ``begin()``):
+        the caller joins as the workers do (counted in _ACTIVE, and only while the job's
+        sequence number is open), and whichever waiter finishes the job first marks it
+        complete; the other then stops looking at the control words, which the next job owns
+        as soon as the job is complete."""
         if job.complete:
             return
         st = self._state
         if self.caller_joins and st.job is job:
-            _participate(st, job, -1)
-        if not _spin_done(st.jctrl, self._spin_iters):
-            while not _spin_done(st.jctrl, 100):
+            _add_gil(st.ctrl, _ACTIVE, 1)
+            try:
+                if _load_gil(st.ctrl, _SEQ) == job.seq:
+                    _participate(st, job, -1)
+            finally:
+                _add_gil(st.ctrl, _ACTIVE, -1)
+        if not (job.complete or _spin_done(st.jctrl, self._spin_iters)):
+            while not (job.complete or _spin_done(st.jctrl, 100)):
                 time.sleep(0.0002)
+        with job.finishing:
+            if not job.complete:
+                self._finish_job(job)
+
+    def _finish_job(self, job: _Job) -> None:
+        """Mark ``job`` (complete or aborted, and still the current job) complete: after an
+        abort, first wait for its participants to leave it."""
+        st = self._state
         if _load_gil(st.jctrl, JOB_ABORT):
             # a participant failed: the others may still be inside the job
             while not _spin_idle(st.ctrl, 1000):
