@@ -214,6 +214,17 @@ def _add_gil(ctrl, idx, val):
     return atomic_add(ctrl, idx, val)
 
 
+@njit(cache=True)
+def _enter_gil(ctrl, seq):
+    """Count the caller in _ACTIVE if the job ``seq`` is still open (then it must leave with
+    ``_ACTIVE -= 1``); returns whether it entered. The workers' loop does the same."""
+    atomic_add(ctrl, _ACTIVE, 1)
+    if atomic_load(ctrl, _SEQ) != seq:
+        atomic_add(ctrl, _ACTIVE, -1)
+        return False
+    return True
+
+
 
 
 @njit(nogil=True, cache=True)
@@ -705,9 +716,10 @@ class CpuPool:
         """Ask the participants of ``handle``'s job to leave it (sets its abort word; a native
         job checks it between tasks and while it waits). ``wait()`` then returns without the
         job's result. No effect on a job that is already complete or no longer current."""
-        st = self._state
-        if st.job is handle._job and not handle._job.complete:
-            _store_gil(st.jctrl, JOB_ABORT, 1)
+        st, job = self._state, handle._job
+        with job.finishing:  # the job cannot be marked complete (and the next one begun) meanwhile
+            if st.job is job and not job.complete:
+                _store_gil(st.jctrl, JOB_ABORT, 1)
 
     def _wait_job(self, job: _Job) -> None:
         """Join ``job`` (when the caller joins) and return once it is complete. Two threads may
@@ -720,12 +732,11 @@ class CpuPool:
             return
         st = self._state
         if self.caller_joins and st.job is job:
-            _add_gil(st.ctrl, _ACTIVE, 1)
-            try:
-                if _load_gil(st.ctrl, _SEQ) == job.seq:
+            if _enter_gil(st.ctrl, job.seq):
+                try:
                     _participate(st, job, -1)
-            finally:
-                _add_gil(st.ctrl, _ACTIVE, -1)
+                finally:
+                    _add_gil(st.ctrl, _ACTIVE, -1)
         if not (job.complete or _spin_done(st.jctrl, self._spin_iters)):
             while not (job.complete or _spin_done(st.jctrl, 100)):
                 time.sleep(0.0002)
