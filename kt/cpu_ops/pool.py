@@ -316,6 +316,17 @@ JOB_SIGNATURE = (types.int64, _I64_1D, _I64_1D)
 
 
 @njit(nogil=True, cache=True)
+def _join_native(ctrl, seq, addr, nth, jctrl, desc):
+    """Enter the native job ``seq`` (entry point ``addr``) if it is still open, run it, leave."""
+    atomic_add(ctrl, _ACTIVE, 1)
+    if atomic_load(ctrl, _SEQ) != seq:
+        atomic_add(ctrl, _ACTIVE, -1)
+        return
+    icall3(addr, nth, jctrl, desc)
+    atomic_add(ctrl, _ACTIVE, -1)
+
+
+@njit(nogil=True, cache=True)
 def _worker_loop(ctrl, jctrl, desc, nth, last, spin_iters):
     """Join every published native job (ctrl[KIND] = the job's address) without the GIL."""
     while True:
@@ -353,7 +364,7 @@ def numa_nodes(allowed: set[int] | None = None) -> dict[int, list[int]]:
 
 
 class _Job:
-    __slots__ = ("fn", "native", "errors", "complete", "keep", "lock", "finishing", "seq")
+    __slots__ = ("fn", "native", "errors", "complete", "keep", "lock", "finishing", "seq", "kind")
 
     def __init__(self, fn, native, keep=None):
         self.fn = fn
@@ -364,6 +375,7 @@ class _Job:
         self.lock = threading.Lock()  # guards errors
         self.finishing = threading.Lock()  # one waiter marks the job complete
         self.seq = 0  # ctrl[_SEQ] while the job is open to joiners (set when published)
+        self.kind = 0  # a native job's entry point (set when published)
 
 
 class _State:
@@ -407,15 +419,22 @@ def _participate_python(state: _State, job: _Job) -> None:
             _store_gil(state.jctrl, JOB_COMPLETE, 1)
 
 
-def _participate(state: _State, job: _Job, who: int) -> None:
-    """Run the job as one participant (the caller of wait(), or a worker that left its loop)."""
+def _join(state: _State, job: _Job) -> None:
+    """The caller's part in ``job`` (inside ``wait()``): it enters as the workers do, counted in
+    _ACTIVE and only while the job's sequence number is open, so it never runs a job that is
+    complete and whose descriptor another thread may be writing. A native job is entered,
+    run and left in one jitted call."""
     if job.native:
         try:
-            job.fn(state.nthreads, state.jctrl, state.desc)
-        except BaseException as exc:  # noqa: BLE001
-            _fail(state, job, who, exc)
-    else:
-        _participate_python(state, job)
+            _join_native(state.ctrl, job.seq, job.kind, state.nthreads, state.jctrl, state.desc)
+        except BaseException as exc:  # noqa: BLE001 - raised inside the job, which it had entered
+            _add_gil(state.ctrl, _ACTIVE, -1)
+            _fail(state, job, -1, exc)
+    elif _enter_gil(state.ctrl, job.seq):
+        try:
+            _participate_python(state, job)
+        finally:
+            _add_gil(state.ctrl, _ACTIVE, -1)
 
 
 def _worker_main(state: _State, wid: int, cpus: list[int] | None):
@@ -663,6 +682,7 @@ class CpuPool:
             if st.closed:
                 raise RuntimeError("kt CpuPool: submit() after shutdown()")
             st.job = job
+            job.kind = kind
             _store_gil(st.ctrl, _KIND, kind)
             job.seq = abs(int(_load_gil(st.ctrl, _SEQ))) + 1
             _store_gil(st.ctrl, _SEQ, job.seq)
@@ -732,11 +752,7 @@ class CpuPool:
             return
         st = self._state
         if self.caller_joins and st.job is job:
-            if _enter_gil(st.ctrl, job.seq):
-                try:
-                    _participate(st, job, -1)
-                finally:
-                    _add_gil(st.ctrl, _ACTIVE, -1)
+            _join(st, job)
         if not (job.complete or _spin_done(st.jctrl, self._spin_iters)):
             while not (job.complete or _spin_done(st.jctrl, 100)):
                 time.sleep(0.0002)
