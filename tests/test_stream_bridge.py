@@ -379,6 +379,10 @@ xg, ig, wg = inputs(3)
 want_g = cpu(torch.from_numpy(xg), torch.from_numpy(ig), torch.from_numpy(wg)).numpy()
 xp, ip, wp = (torch.from_numpy(a) for a in inputs(2))
 want_p = cpu(xp, ip, wp)
+chunked = CPUMoE.from_tensors(*random_expert_weights(E, H, I, seed=6), scheme="int8",
+                              chunk_tokens=16, pool=cpu.pool)
+xc, ic, wc = (torch.from_numpy(a) for a in inputs(400))  # 25 chunks: two pool jobs
+want_c = chunked(xc, ic, wc)
 stop = time.monotonic() + float(sys.argv[1])
 bad, counts = [], {}
 
@@ -401,6 +405,8 @@ n = 0
 while time.monotonic() < stop:  # the caller's own thread: plain calls on the same pool
     if not torch.equal(cpu(xp, ip, wp), want_p):
         bad.append("plain")
+    if n % 8 == 0 and not torch.equal(chunked.submit(xc, ic, wc).wait(), want_c):
+        bad.append("chunked")
     n += 1
 t.join()
 print("ok" if not bad and n and counts["gated"] else f"BAD {bad[:3]} plain={n} {counts}")
