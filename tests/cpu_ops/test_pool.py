@@ -203,3 +203,27 @@ def test_handoff_overhead_is_measured(pool):
     st = pool.handoff_overhead_us(repeats=50)
     assert 0 < st["min"] <= st["median"] <= st["p90"]
     print(f"\nCpuPool(2) native hand-off: {st}")
+
+
+def test_begin_holds_the_pool_for_its_thread_until_the_submit():
+    # a second thread's begin() waits while the first thread writes its descriptor, and goes on
+    # once that job is published (or the begin given up with unbegin())
+    with CpuPool(2, spin_us=100) as p:
+        for give_up in (False, True):
+            desc, _ = p.begin(512)
+            desc[0], desc[1] = 10, 0
+            began = threading.Event()
+            th = threading.Thread(target=lambda: (p.begin(), began.set(), p.unbegin()))
+            th.start()
+            assert not began.wait(0.2), "another thread began while the descriptor was written"
+            desc2, _ = p.begin(512)  # the holder itself may begin again
+            assert desc2 is desc
+            if give_up:
+                p.unbegin()
+            else:
+                h = p.submit_native(_count_job)
+            assert began.wait(10)
+            th.join()
+            if not give_up:
+                h.wait()
+                assert desc[1] == 55
