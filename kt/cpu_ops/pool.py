@@ -662,17 +662,21 @@ class CpuPool:
         if not JOB_FREE <= jctrl_words <= JCTRL_SIZE:
             raise ValueError(f"jctrl_words must be in [{JOB_FREE}, {JCTRL_SIZE}], got {jctrl_words}")
         self._claim()
-        if self._last is not None and not self._last.complete:
-            self._wait_job(self._last)
-        seq = _load_gil(st.ctrl, _SEQ)
-        if seq > 0:
-            # closed: participants that see the job now must leave it. A locked add, not a plain
-            # store: the store is then ordered before the _ACTIVE loads below, so no joiner can
-            # count itself after those loads and still read the open sequence number.
-            _add_gil(st.ctrl, _SEQ, -2 * seq)
-        if not _spin_idle(st.ctrl, self._spin_iters):
-            while not _spin_idle(st.ctrl, 1000):
-                time.sleep(0.0002)
+        try:
+            if self._last is not None and not self._last.complete:
+                self._wait_job(self._last)
+            seq = _load_gil(st.ctrl, _SEQ)
+            if seq > 0:
+                # closed: participants that see the job now must leave it. A locked add, not a
+                # plain store: the store is then ordered before the _ACTIVE loads below, so no
+                # joiner can count itself after those loads and still read the open number.
+                _add_gil(st.ctrl, _SEQ, -2 * seq)
+            if not _spin_idle(st.ctrl, self._spin_iters):
+                while not _spin_idle(st.ctrl, 1000):
+                    time.sleep(0.0002)
+        except BaseException:  # e.g. KeyboardInterrupt in the waits: other threads may go on
+            self.unbegin()
+            raise
         st.jctrl[:jctrl_words] = 0
         return st.desc, st.jctrl
 
