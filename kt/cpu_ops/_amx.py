@@ -286,6 +286,14 @@ def _scaled16(context, builder, sig, args, cv, k):
     return builder.fmul(builder.fmul(builder.sitofp(cv, _F32X16), _splat(builder, x, _F32X16)), sv)
 
 
+def _store64(builder, v, ptr, stream: bool, align: int):
+    """Store the 64-byte vector v at ptr: plainly (alignment ``align``), or where stream with
+    a non-temporal store (ptr must then be on a 64-byte line)."""
+    st = builder.store(v, ptr, align=64 if stream else align)
+    if stream:
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+
+
 def _row16_scale_store(name: str, stream: bool):
     """The typer of ``row16_scale_store`` (stream False) / ``row16_scale_stream`` (True)."""
 
@@ -297,9 +305,7 @@ def _row16_scale_store(name: str, stream: bool):
         def codegen(context, builder, sig, args):
             o = _vptr(context, builder, sig, args, 0, _F32X16)
             cv = builder.load(_vptr(context, builder, sig, args, 2, _I32X16), align=4)
-            st = builder.store(_scaled16(context, builder, sig, args, cv, 4), o, align=64 if stream else 4)
-            if stream:
-                st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            _store64(builder, _scaled16(context, builder, sig, args, cv, 4), o, stream, 4)
             return context.get_dummy_value()
 
         return types.none(out, oi, c, ci, s, si, xm), codegen
@@ -378,9 +384,7 @@ def _copy64(name: str, stream: bool):
 
         def codegen(context, builder, sig, args):
             v = builder.load(_vptr(context, builder, sig, args, 2, _I8X64), align=1)
-            st = builder.store(v, _vptr(context, builder, sig, args, 0, _I8X64), align=64 if stream else 1)
-            if stream:
-                st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            _store64(builder, v, _vptr(context, builder, sig, args, 0, _I8X64), stream, 1)
             return context.get_dummy_value()
 
         return types.none(dst, di, src, si), codegen

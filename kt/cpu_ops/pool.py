@@ -214,15 +214,21 @@ def _add_gil(ctrl, idx, val):
     return atomic_add(ctrl, idx, val)
 
 
-@njit(cache=True)
-def _enter_gil(ctrl, seq):
-    """Count the caller in _ACTIVE if the job ``seq`` is still open (then it must leave with
-    ``_ACTIVE -= 1``); returns whether it entered. The workers' loop does the same."""
+@njit(nogil=True, cache=True, inline="always")
+def _enter(ctrl, seq):
+    """Count this participant in _ACTIVE if the job ``seq`` is still open (it then leaves with
+    ``_ACTIVE -= 1``); returns whether it entered. How every participant joins a job: the
+    submitter closes the job (``begin()``) and then waits for _ACTIVE to reach 0."""
     atomic_add(ctrl, _ACTIVE, 1)
     if atomic_load(ctrl, _SEQ) != seq:
         atomic_add(ctrl, _ACTIVE, -1)
         return False
     return True
+
+
+@njit(cache=True)
+def _enter_gil(ctrl, seq):
+    return _enter(ctrl, seq)
 
 
 
@@ -318,9 +324,7 @@ JOB_SIGNATURE = (types.int64, _I64_1D, _I64_1D)
 @njit(nogil=True, cache=True)
 def _join_native(ctrl, seq, addr, nth, jctrl, desc):
     """Enter the native job ``seq`` (entry point ``addr``) if it is still open, run it, leave."""
-    atomic_add(ctrl, _ACTIVE, 1)
-    if atomic_load(ctrl, _SEQ) != seq:
-        atomic_add(ctrl, _ACTIVE, -1)
+    if not _enter(ctrl, seq):
         return
     icall3(addr, nth, jctrl, desc)
     atomic_add(ctrl, _ACTIVE, -1)
@@ -338,9 +342,7 @@ def _worker_loop(ctrl, jctrl, desc, nth, last, spin_iters):
         addr = atomic_load(ctrl, _KIND)
         if addr == 0:
             return last, _OTHER_KIND
-        atomic_add(ctrl, _ACTIVE, 1)
-        if atomic_load(ctrl, _SEQ) != seq:  # the submitter closed it meanwhile
-            atomic_add(ctrl, _ACTIVE, -1)
+        if not _enter(ctrl, seq):  # the submitter closed it meanwhile
             continue
         icall3(addr, nth, jctrl, desc)
         atomic_add(ctrl, _ACTIVE, -1)
@@ -479,10 +481,9 @@ def _worker_main(state: _State, wid: int, cpus: list[int] | None):
         loop_kind = 0
         # a Python job
         seq = _load_gil(ctrl, _SEQ)
-        _add_gil(ctrl, _ACTIVE, 1)
-        if _load_gil(ctrl, _SEQ) == seq and seq > 0:
+        if seq > 0 and _enter_gil(ctrl, seq):
             _participate_python(state, state.job)
-        _add_gil(ctrl, _ACTIVE, -1)
+            _add_gil(ctrl, _ACTIVE, -1)
         last = seq
 
 
