@@ -500,16 +500,12 @@ def main(argv=None):
                     L.tail_experts, L.tail_parts = tail, parts
                 vars_[name] = tl
             # the down GEMM's outputs with non-temporal stores at every T (where the layer's
-            # kernels have that form; the default takes it from y_stream_bytes of outputs on)
-            ynt = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
-            for L in ynt:
-                L.y_stream_bytes = 0
-            vars_["ynt"] = ynt
-            # and never (the default streams from y_stream_bytes on: qwen3 T=2048)
-            ynoff = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
-            for L in ynoff:
-                L.y_stream_bytes = 1 << 62
-            vars_["ynt_off"] = ynoff
+            # kernels have that form), and never; the default streams from y_stream_bytes of
+            # outputs on (qwen3 T=2048)
+            for name, ysb in (("ynt", 0), ("ynt_off", 1 << 62)):
+                vars_[name] = [CPUMoE(L.w13, L.w2, pool=pool) for L in layers]
+                for L in vars_[name]:
+                    L.y_stream_bytes = ysb
             if a.variant_names:
                 keep = set(a.variant_names.split(",")) | {"default"}
                 vars_ = {n: v for n, v in vars_.items() if n in keep}
