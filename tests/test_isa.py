@@ -21,8 +21,10 @@ def test_real_host_variant_is_runnable():
     assert v in isa.VARIANTS
     assert v == kt.__cpu_variant__
     assert v in isa.runnable_variants()
-    # This project's machines: AMX Xeons (device) or an AVX-512 BF16 AMD (dev/CI).
-    assert isa.variant_rank(v) <= isa.variant_rank("avx512_bf16")
+    # kt needs AVX2 at least; which variant above it the host runs is the host's business (the
+    # suite runs on AVX2-only, AVX-512 and AMX machines alike)
+    assert isa.variant_rank(v) <= isa.variant_rank("avx2")
+    assert isa.runnable_variants()[-1] == "avx2"
 
 
 @pytest.mark.parametrize("features,perm,expected", [

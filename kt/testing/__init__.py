@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .reference import to_numpy_f32
+from ..reference import to_numpy_f32
 
 __all__ = ["assert_close", "assert_exact", "random_expert_weights"]
 
