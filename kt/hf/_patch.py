@@ -173,29 +173,6 @@ def find_experts(model: nn.Module) -> list[ExpertsSite]:
 
 # ----------------------------------------------------------------------------- backends
 
-def _kt_classes():
-    try:
-        from ..cpu_ops.moe import CPUMoE
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("kt."):
-            raise NotImplementedError(
-                "this kt build has no kt.CPUMoE yet; use PatchConfig(backend='reference')") from exc
-        raise
-    return CPUMoE
-
-
-def _hybrid_class():
-    try:
-        from ..hybrid import HybridMoE
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("kt."):
-            raise NotImplementedError(
-                "GPU placements and deferral need kt.HybridMoE, which this kt build lacks; "
-                "use placement=None (all experts on the CPU)") from exc
-        raise
-    return HybridMoE
-
-
 def _default_pool(cfg: PatchConfig):
     if cfg.pool is not None or cfg.threads is None or cfg.backend != "kt":
         return cfg.pool
@@ -250,8 +227,8 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
                                  num_experts=e, hidden=h, intermediate=i)
     hybrid = config.placement is not None or config.deferral > 0
     if config.backend == "kt":
-        cpu_cls = _kt_classes()
-        hybrid_cls = _hybrid_class() if hybrid else None
+        from ..cpu_ops.moe import CPUMoE as cpu_cls
+        from ..layer import DeferredChain, HybridMoE
     if config.placement is not None:
         check = getattr(config.placement, "check_model", None)
         if check is not None:
@@ -286,11 +263,9 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
                 cpu.activations = config.activations
             if hybrid:
                 if chain is None and config.deferral:
-                    from ..hybrid import DeferredChain
-
                     chain = DeferredChain()
                 row = None if config.placement is None else config.placement.gpu_slot[s.layer_idx]
-                moe = hybrid_cls(cpu, row, device=device if device.type == "cuda" else None,
+                moe = HybridMoE(cpu, row, device=device if device.type == "cuda" else None,
                                  max_deferred_experts_per_token=config.deferral, chain=chain,
                                  is_last_layer=s.layer_idx == last_layer, layer_idx=s.layer_idx)
                 name = "hybrid"
