@@ -184,7 +184,7 @@ class KTMoEMethod(KTEPWrapperMethod):
         return len(incoming)
 
     def _log_start(self) -> None:
-        from . import sglang_version
+        from ._support import sglang_version
 
         p = self.placement
         layers = list(self.model.moe_layers or range(p.num_layers))
