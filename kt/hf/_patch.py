@@ -174,11 +174,13 @@ def find_experts(model: nn.Module) -> list[ExpertsSite]:
 # ----------------------------------------------------------------------------- backends
 
 def _default_pool(cfg: PatchConfig):
+    """The pool the model's layers run on: the config's, or the process's pool of
+    ``cfg.threads`` threads (None: each layer's default)."""
     if cfg.pool is not None or cfg.threads is None or cfg.backend != "kt":
         return cfg.pool
-    from ..cpu_ops.pool import CpuPool
+    from ..cpu_ops.pool import default_pool
 
-    return CpuPool(cfg.threads)
+    return default_pool(cfg.threads)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -278,8 +280,6 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
         mod.gate_up_proj = None
         mod.down_proj = None
         setattr(s.parent, s.attr, new)
-    if pool is not None and config.pool is None:
-        model._kt_pool = pool  # the model owns the pool kt created for it
     model.kt_patch = PatchInfo(config, model_type, tuple(s.layer_idx for s in sites), e, h, i,
                                "reference" if config.backend == "reference" else
                                ("hybrid" if hybrid else "cpu"), freed)

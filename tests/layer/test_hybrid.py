@@ -239,7 +239,7 @@ def test_pinned_span_is_the_pages_inside_an_array():
 def test_cuda_copies_from_neighbouring_pinned_arrays():
     """Two arrays that share a page, both page-locked, copy to the GPU intact (layer-wise prefill
     of heap-allocated neighbours failed with "invalid argument" when a lock reached into the
-    next array, session 22)."""
+    next array)."""
     from kt.layer._gpu_weights import copy_host_to_device, pin_host_array
 
     page = 4096
