@@ -855,14 +855,15 @@ def _shutdown_all() -> None:
         _shutdown_state(st, timeout=2.0)
 
 
-_default: CpuPool | None = None
+_defaults: dict = {}
 _default_lock = threading.Lock()
 
 
-def default_pool() -> CpuPool:
-    """The process-wide pool, created at first use (threads: KT_NUM_THREADS or all allowed CPUs)."""
-    global _default
+def default_pool(threads: int | None = None) -> CpuPool:
+    """The process's pool of ``threads`` threads (default: KT_NUM_THREADS or all allowed CPUs),
+    created at first use and shared by every caller asking for that count."""
     with _default_lock:
-        if _default is None or _default.closed:
-            _default = CpuPool()
-        return _default
+        p = _defaults.get(threads)
+        if p is None or p.closed:
+            p = _defaults[threads] = CpuPool(threads) if threads is not None else CpuPool()
+        return p

@@ -173,35 +173,14 @@ def find_experts(model: nn.Module) -> list[ExpertsSite]:
 
 # ----------------------------------------------------------------------------- backends
 
-def _kt_classes():
-    try:
-        from ..cpu_ops.moe import CPUMoE
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("kt."):
-            raise NotImplementedError(
-                "this kt build has no kt.CPUMoE yet; use PatchConfig(backend='reference')") from exc
-        raise
-    return CPUMoE
-
-
-def _hybrid_class():
-    try:
-        from ..hybrid import HybridMoE
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("kt."):
-            raise NotImplementedError(
-                "GPU placements and deferral need kt.HybridMoE, which this kt build lacks; "
-                "use placement=None (all experts on the CPU)") from exc
-        raise
-    return HybridMoE
-
-
 def _default_pool(cfg: PatchConfig):
+    """The pool the model's layers run on: the config's, or the process's pool of
+    ``cfg.threads`` threads (None: each layer's default)."""
     if cfg.pool is not None or cfg.threads is None or cfg.backend != "kt":
         return cfg.pool
-    from ..cpu_ops.pool import CpuPool
+    from ..cpu_ops.pool import default_pool
 
-    return CpuPool(cfg.threads)
+    return default_pool(cfg.threads)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -250,8 +229,8 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
                                  num_experts=e, hidden=h, intermediate=i)
     hybrid = config.placement is not None or config.deferral > 0
     if config.backend == "kt":
-        cpu_cls = _kt_classes()
-        hybrid_cls = _hybrid_class() if hybrid else None
+        from ..cpu_ops.moe import CPUMoE as cpu_cls
+        from ..layer import DeferredChain, HybridMoE
     if config.placement is not None:
         check = getattr(config.placement, "check_model", None)
         if check is not None:
@@ -286,11 +265,9 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
                 cpu.activations = config.activations
             if hybrid:
                 if chain is None and config.deferral:
-                    from ..hybrid import DeferredChain
-
                     chain = DeferredChain()
                 row = None if config.placement is None else config.placement.gpu_slot[s.layer_idx]
-                moe = hybrid_cls(cpu, row, device=device if device.type == "cuda" else None,
+                moe = HybridMoE(cpu, row, device=device if device.type == "cuda" else None,
                                  max_deferred_experts_per_token=config.deferral, chain=chain,
                                  is_last_layer=s.layer_idx == last_layer, layer_idx=s.layer_idx)
                 name = "hybrid"
@@ -303,8 +280,6 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
         mod.gate_up_proj = None
         mod.down_proj = None
         setattr(s.parent, s.attr, new)
-    if pool is not None and config.pool is None:
-        model._kt_pool = pool  # the model owns the pool kt created for it
     model.kt_patch = PatchInfo(config, model_type, tuple(s.layer_idx for s in sites), e, h, i,
                                "reference" if config.backend == "reference" else
                                ("hybrid" if hybrid else "cpu"), freed)

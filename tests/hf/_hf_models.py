@@ -1,4 +1,4 @@
-"""Shared helpers of the kt.hf tests: tiny models (built once per session) and the kt backend."""
+"""Shared helpers of the kt.hf tests: tiny models (built once per test run) and the kt backend."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +17,7 @@ def _tiny(family: str, seed: int):
 
 
 def tiny_model(family: str, seed: int = 0):
-    """A fresh copy of the session's tiny random ``family`` model (fp32, eval)."""
+    """A fresh copy of the test run's tiny random ``family`` model (fp32, eval)."""
     return copy.deepcopy(_tiny(family, seed))
 
 

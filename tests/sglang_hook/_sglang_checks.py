@@ -345,9 +345,9 @@ def check_fused_moe(root: Path, wdir: Path, pfile: Path, stats: Path):
         count(layer_id, ids_h)
         close(y, reference(x.numpy(), ids_h.numpy(), w.numpy(), gate, up, down, hot_mask, "int8"), "all hot")
     from kt.placement import ExpertStats
-    from kt.sglang_hook import _method
+    from kt.sglang_hook._process import proc
 
-    _method._proc._save_stats(str(rec))  # what the atexit hook does
+    proc._save_stats(str(rec))  # what the atexit hook does
     out["recorded_counts_match"] = bool(np.array_equal(ExpertStats.load(rec).counts, expect))
     line = [l for l in logs.getvalue().splitlines() if "SGLang integration active" in l]
     out["log"] = line
@@ -393,16 +393,16 @@ def check_deferred(root: Path, wdir: Path, pfile: Path):
     import torch
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-    from kt.sglang_hook import _method
+    from kt.sglang_hook._process import proc
 
     src = tiny_checkpoint(root)
     init_dist()
-    _method._proc.chain = None
+    proc.chain = None
     publish_cli(["--model-path", str(src), "--device", "cpu", "--kt-weight-path", str(wdir),
                  "--kt-placement", str(pfile), "--kt-max-deferred-experts-per-token", "1"])
     ws = [expert_weights(src, l) for l in range(L)]
     layers = [build_layer(l, *ws[l]) for l in range(L)]
-    assert layers[0].quant_method.max_deferred == 1 and layers[1].quant_method.max_deferred == 0
+    assert layers[0].quant_method.layer.max_deferred == 1 and layers[1].quant_method.layer.max_deferred == 0
     x, ids, w, logits = routing(9, seed=3)
     y0 = layers[0](x, StandardTopKOutput(w, ids, logits))
     y1 = layers[1](x, StandardTopKOutput(w, ids, logits))
@@ -446,23 +446,23 @@ def check_dynamic(root: Path, wdir: Path, pfile: Path):
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     from kt import reference as R
-    from kt.sglang_hook import _method
+    from kt.sglang_hook._process import proc
 
     src = tiny_checkpoint(root)
     init_dist()
-    _method._proc.placer, _method._proc.methods, _method._proc.chain = None, {}, None
+    proc.placer, proc.methods, proc.chain = None, {}, None
     publish_cli(["--model-path", str(src), "--device", "cpu", "--kt-weight-path", str(wdir),
                  "--kt-placement", str(pfile), "--kt-enable-dynamic-expert-update"])
     ws = [expert_weights(src, l) for l in range(L)]
     layers = [build_layer(l, *ws[l]) for l in range(L)]
-    placer = _method._proc.placer
+    placer = proc.placer
     placer.every_n_tokens, placer.drift_threshold, placer.hysteresis = 16, 0.0, 0.0
     # every token to experts 0 and 2 (cold in layer 0) and 3, 5 (cold in layer 1)
     x, _, w, logits = routing(32, seed=11)
     for l, pair in ((0, (0, 2)), (1, (3, 5))):
         ids = torch.tensor([pair] * 32, dtype=torch.int32)
         layers[l](x, StandardTopKOutput(w, ids, logits))
-    assert _method._proc.replacements == 1, _method._proc.replacements
+    assert proc.replacements == 1, proc.replacements
     out = {}
     for l, pair in ((0, (0, 2)), (1, (3, 5))):
         qm = layers[l].quant_method

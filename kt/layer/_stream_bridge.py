@@ -125,7 +125,7 @@ class _Service:
     def _run_failed(self, job, exc, opened: bool):
         """A gated job that did not publish its result: consume its "start" (waiting for it if
         no participant saw it yet), poison the output and set "done", so the stream goes on."""
-        from .gpu_ops.stream_sync import store_flag
+        from ..gpu_ops.stream_sync import store_flag
 
         sig = job.channel.signal
         if opened:
@@ -191,7 +191,7 @@ class StreamBridge:
     """Stream-ordered CPU calls of one layer; channels "now" and "deferred" run independently."""
 
     def __init__(self, cpu_moe, device, mode: str = "auto"):
-        from .gpu_ops.stream_sync import CpuSignal
+        from ..gpu_ops.stream_sync import CpuSignal
 
         self.cpu = cpu_moe
         self.on_cpu_time = None  # callable(t, k, seconds), called from the service thread
@@ -229,7 +229,7 @@ class StreamBridge:
         log = getattr(_capture, "log", None)
         if torch.cuda.is_current_stream_capturing():
             if log is None:
-                raise RuntimeError("capture hybrid MoE layers with kt.hybrid.GraphRunner (the CPU part "
+                raise RuntimeError("capture hybrid MoE layers with kt.layer.GraphRunner (the CPU part "
                                    "needs its calls replayed)")
             log.append(job)
         else:

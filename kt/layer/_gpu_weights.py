@@ -12,10 +12,11 @@ import weakref
 import numpy as np
 import torch
 
-from .config import QuantScheme
-from .cpu_ops.packing import PackedWeight
+from ..config import QuantScheme
+from ..cpu_ops.packing import PackedWeight
 
-__all__ = ["packed_to_device", "GPU_WEIGHT_DTYPES"]
+__all__ = ["packed_to_device", "unpack_on_device", "expert_weights", "drop_up_padding", "LayerStaging",
+           "pin_host_array", "GPU_WEIGHT_DTYPES"]
 
 GPU_WEIGHT_DTYPES = ("bf16", "int8")
 
@@ -74,6 +75,27 @@ def unpack_on_device(p: PackedWeight, data: torch.Tensor, scale: torch.Tensor | 
     return w[:, :n, :d].to(torch.bfloat16).contiguous(), None
 
 
+def drop_up_padding(w13: torch.Tensor, s13: torch.Tensor | None, intermediate: int, up_offset: int):
+    """w13 [S, N, H] with gate rows [0, I) and up rows [up_offset, up_offset + I) -> [S, 2I, H]
+    (the layout the GPU kernels take: gate rows, then up rows), scales likewise."""
+    i, off = intermediate, up_offset
+    if off == i:
+        return w13, s13
+    w13 = torch.cat([w13[:, :i], w13[:, off:off + i]], dim=1).contiguous()
+    if s13 is not None:
+        s13 = torch.cat([s13[:, :i], s13[:, off:off + i]], dim=1).contiguous()
+    return w13, s13
+
+
+def expert_weights(cpu_moe, experts, device, dtype: str = "bf16"):
+    """The GPU weights of ``experts`` (ids, in slot order) of a ``CPUMoE``: (w13 [S, 2I, H],
+    w2 [S, H, I], w13 scale [S, 2I] or None, w2 scale [S, H] or None)."""
+    w13, s13 = packed_to_device(cpu_moe.w13, experts, device, dtype)
+    w2, s2 = packed_to_device(cpu_moe.w2, experts, device, dtype)
+    w13, s13 = drop_up_padding(w13, s13, cpu_moe.intermediate, cpu_moe.up_offset)
+    return w13, w2, s13, s2
+
+
 _PINNED: set = set()
 PIN_MIN_BYTES = 1 << 20
 _PAGE = 4096
@@ -87,7 +109,7 @@ def pinned_span(a: np.ndarray) -> tuple[int, int]:
     first and last, when the array does not start or end on a page) is never locked: locking it
     would reach into the neighbour, and a copy from a range that starts in locked memory and runs
     past it fails ("invalid argument" on the H200: layer-wise prefill of heap-allocated scale
-    arrays next to each other, session 22). (0, 0) when the inside is under ``PIN_MIN_BYTES``."""
+    arrays next to each other). (0, 0) when the inside is under ``PIN_MIN_BYTES``."""
     base = a.ctypes.data
     p0 = -(-base // _PAGE) * _PAGE
     p1 = (base + a.nbytes) // _PAGE * _PAGE

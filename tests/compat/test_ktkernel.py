@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 from kt import reference as ref  # noqa: E402
 from kt.cpu_ops.packing import unpack  # noqa: E402
 from kt.testing import random_expert_weights  # noqa: E402
-from kt.wrapper import KTMoEWrapper  # noqa: E402
+from kt.compat import KTMoEWrapper  # noqa: E402
 
 E, K, H, I = 8, 2, 128, 64
 
@@ -105,11 +105,7 @@ def test_errors():
 
 
 def test_load_weights_from_kt_format(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "weights"))
-    from _checkpoints import small_checkpoint
+    from kt.testing.checkpoints import small_checkpoint
 
     from kt.cpu_ops.moe import CPUMoE
     from kt.weights import convert
@@ -135,7 +131,7 @@ def test_load_weights_from_kt_format(tmp_path):
 def test_deferred_experts_land_in_the_next_layer():
     """kt-kernel's deferral: layer 0's lowest-weight CPU expert per token is computed after layer
     0 returns and added to layer 1's result (the last layer defers nothing)."""
-    from kt.hybrid import split_deferred
+    from kt.layer import split_deferred
 
     g, u, d = _weights()
     mask = torch.zeros(E, dtype=torch.bool)
@@ -158,7 +154,9 @@ def test_deferred_experts_land_in_the_next_layer():
     # bf16 outputs (and one bf16 add for layer 1): 2^-8 relative per rounding
     assert ref.relative_error(y0, r0) < 8e-3
     assert ref.relative_error(y1, r1) < 8e-3
-    assert not KTMoEWrapper._deferred
+    from kt.compat import _deferred
+
+    assert not _deferred._pending  # layer 1 took layer 0's part, and deferred nothing itself
 
 
 def test_threadpool_count_splits_across_numa_nodes(monkeypatch):
@@ -196,3 +194,40 @@ def test_threadpool_count_splits_across_numa_nodes(monkeypatch):
             bad.load_weights_from_tensors(g, u, d)
     finally:
         w2.moe.shutdown()
+
+
+def test_numpy_inputs_and_list_weights():
+    """numpy arrays are kt-kernel inputs too (numpy 2 arrays have a ``.device`` of "cpu", which
+    once sent them down the CUDA path); lists are refused naming the argument."""
+    g, u, d = _weights()
+    w = KTMoEWrapper(0, E, K, H, I, None, 2, 1, None, 512, method="BF16")
+    with pytest.raises(TypeError, match="gate_proj must be a torch.Tensor or numpy.ndarray"):
+        w.load_weights_from_tensors(g.tolist(), u, d)
+    w.load_weights_from_tensors(g.float().numpy(), u.float().numpy(), d.float().numpy())
+    x, ids, tw = _inputs(3, seed=7)
+    out_t = w.forward(x, ids, tw)
+    out_n = w.forward(x.float().numpy(), ids.numpy(), tw.numpy())
+    assert isinstance(out_n, torch.Tensor) and out_n.dtype == torch.bfloat16
+    assert ref.relative_error(out_n.float(), out_t.float()) < 8e-3  # bf16 vs fp32 input rounding
+    with pytest.raises(TypeError, match="hidden_states"):
+        w.forward(x.tolist(), ids, tw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_inputs_take_the_stream_ordered_path():
+    """CUDA inputs: the CPU part is ordered on the given stream (no host synchronisation), the
+    result lands on the input's device, equal to the CPU-tensor result."""
+    g, u, d = _weights()
+    w = KTMoEWrapper(0, E, K, H, I, None, 2, 1, None, 512, method="AMXINT8")
+    w.load_weights_from_tensors(g, u, d)
+    x, ids, tw = _inputs(4, seed=8)
+    cpu_out = w.forward(x, ids, tw)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        xd, idd, twd = x.cuda(), ids.cuda(), tw.cuda()
+    w.submit_forward(xd, idd, twd, cuda_stream=s.cuda_stream)
+    out = w.sync_forward(xd, cuda_stream=s.cuda_stream)
+    s.synchronize()
+    assert out.device.type == "cuda" and out.dtype == torch.bfloat16
+    assert torch.equal(out.cpu(), cpu_out)
+    assert w._layer(xd.device).stats.last_path == "hybrid"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kt import reference as ref
-from kt.hybrid import DeferredChain, HybridMoE, PrefillCostModel, split_deferred
+from kt.layer import DeferredChain, HybridMoE, PrefillCostModel, split_deferred
 from kt.testing import random_expert_weights
 
 E, K, H, I = 8, 3, 64, 48
@@ -153,7 +153,7 @@ class _FakeLayer:
 
 
 def test_dynamic_replacement_follows_the_routing():
-    from kt.hybrid import DynamicReplacement
+    from kt.layer import DynamicReplacement
     from kt.placement import DynamicPlacer, Placement
 
     L, E_ = 2, 8
@@ -220,7 +220,7 @@ def test_pinned_span_is_the_pages_inside_an_array():
     """Page-locking covers only the whole pages inside an array (``_gpu_weights.pinned_span``), so
     arrays that share a page never lock each other's memory: two neighbours in one buffer get
     disjoint spans, neither holding the page between them; small insides are not locked."""
-    from kt._gpu_weights import PIN_MIN_BYTES, pinned_span
+    from kt.layer._gpu_weights import PIN_MIN_BYTES, pinned_span
 
     page = 4096
     buf = np.empty(6 << 20, np.uint8)
@@ -239,8 +239,8 @@ def test_pinned_span_is_the_pages_inside_an_array():
 def test_cuda_copies_from_neighbouring_pinned_arrays():
     """Two arrays that share a page, both page-locked, copy to the GPU intact (layer-wise prefill
     of heap-allocated neighbours failed with "invalid argument" when a lock reached into the
-    next array, session 22)."""
-    from kt._gpu_weights import copy_host_to_device, pin_host_array
+    next array)."""
+    from kt.layer._gpu_weights import copy_host_to_device, pin_host_array
 
     page = 4096
     buf = np.random.default_rng(3).integers(0, 256, size=8 << 20, dtype=np.uint8)
@@ -254,7 +254,7 @@ def test_cuda_copies_from_neighbouring_pinned_arrays():
         torch.cuda.synchronize()
         assert np.array_equal(dst[: p.nbytes].cpu().numpy(), p)
     # a locked array that is freed is unlocked (the driver would keep its pages otherwise)
-    from kt import _gpu_weights as gw
+    from kt.layer import _gpu_weights as gw
 
     own = np.ones(3 << 20, np.uint8)
     assert pin_host_array(own)
@@ -273,7 +273,7 @@ def test_cuda_layerwise_prefill_with_prefetch_matches_the_cpu_path(scheme):
     each next layer's experts ahead into the other staging buffer (LayerStaging's learned order);
     every output matches the same layer on its CPU path within the GPU's bf16 rounding, so no
     layer ever reads another layer's (or a half-copied) buffer."""
-    from kt._gpu_weights import LayerStaging
+    from kt.layer._gpu_weights import LayerStaging
 
     layers, cpus = [], []
     for i in range(3):
@@ -337,7 +337,7 @@ def test_decode_graphs_are_bit_identical_to_eager(weights, frac):
 def test_decode_graphs_stay_out_of_a_callers_capture_and_of_deferral(weights):
     """Inside a GraphRunner capture the layer runs its eager path (the caller's graph holds its
     kernels) and the runner's replay matches eager; layers with deferral never capture."""
-    from kt._stream_bridge import GraphRunner
+    from kt.layer._stream_bridge import GraphRunner
 
     gate, up, down = weights
     cpu = HybridMoE.from_tensors(gate, up, down, None, scheme="int8").cpu

@@ -2,7 +2,7 @@
 
 An eager hybrid forward at T=1 spends 0.3-0.5 ms of host time (Triton launches, torch ops, and the
 stream service thread waiting for the GIL to publish the CPU job) against ~0.2 ms of CPU expert work,
-so an eager decode step is bound by Python, not by the experts (benchmarks/RESULTS.md section 5).
+so an eager decode step is bound by Python, not by the experts (`benchmarks/bench_hybrid.py`).
 For T <= ``max_tokens`` a ``HybridMoE`` therefore captures its own forward once per call shape and
 replays it: three input copies, the captured CPU job handed to the service thread, one graph launch,
 one copy of the output. The arithmetic is the eager path's, kernel for kernel, so the output is

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kt import reference as ref
-from kt._stream_bridge import _Channel, _Job, _Service
+from kt.layer._stream_bridge import _Channel, _Job, _Service
 from kt.cpu_ops.moe import CPUMoE
 from kt.gpu_ops import stream_sync as ss
 from kt.testing import random_expert_weights
@@ -152,7 +152,7 @@ class FlagSignal:
 
 
 def _gated_channel(x, ids, w, dtype=torch.float32):
-    from kt._stream_bridge import _np_view
+    from kt.layer._stream_bridge import _np_view
 
     t = x.shape[0]
     ch = _Channel(FlagSignal())
@@ -166,7 +166,7 @@ def _gated_channel(x, ids, w, dtype=torch.float32):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_jobs_wait_for_their_flag_and_publish_done(cpu, dtype):
-    from kt._stream_bridge import _gated
+    from kt.layer._stream_bridge import _gated
 
     service, bridge = _Service(), Bridge(cpu)
     chans, jobs = [], []
@@ -316,7 +316,7 @@ def test_logging_jobs_routes_jobs_and_restores_the_collector():
     # it, also when the capture raises, and an enclosing log is restored.
     import gc
 
-    from kt import _stream_bridge as sb
+    from kt.layer import _stream_bridge as sb
 
     assert gc.isenabled() and getattr(sb._capture, "log", None) is None
     outer, inner = [], []
@@ -335,7 +335,7 @@ def test_graph_runner_capture_logs_inside_the_graph_context(monkeypatch):
     # is in place before the graph context opens and until after it closes, also on an error.
     import gc
 
-    from kt import _stream_bridge as sb
+    from kt.layer import _stream_bridge as sb
 
     seen = []
 
