@@ -105,11 +105,7 @@ def test_errors():
 
 
 def test_load_weights_from_kt_format(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "weights"))
-    from _checkpoints import small_checkpoint
+    from kt.testing.checkpoints import small_checkpoint
 
     from kt.cpu_ops.moe import CPUMoE
     from kt.weights import convert

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "weights"))
-from _checkpoints import small_checkpoint  # noqa: E402
-
-from kt.cli.main import main  # noqa: E402
+from kt.cli.main import main
+from kt.testing.checkpoints import small_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _checkpoints import layer_errors, small_checkpoint
+from kt.testing.checkpoints import layer_errors, small_checkpoint
 
 from kt.weights import WeightFormatError, convert, load_experts, verify
 

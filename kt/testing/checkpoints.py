@@ -1,4 +1,5 @@
-"""Tiny source checkpoints for the converter tests, built offline (no downloads).
+"""Tiny source checkpoints for the tests of kt.weights and of everything that loads converted
+experts, built offline (no downloads): ``from kt.testing.checkpoints import small_checkpoint``.
 
 HF families via transformers ``from_config`` + ``save_pretrained``, expert weights re-drawn with
 std 1/sqrt(fan_in) (what trained layers look like); a synthetic fp8 block-scaled checkpoint and a
