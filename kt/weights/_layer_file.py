@@ -6,7 +6,8 @@ In order, each stopping at the first failure that makes the next meaningless: th
 regular file of the size the manifest records; its checksum matches (when asked: it reads every
 byte); its safetensors header passes the safetensors rules (``_safetensors_io``); the data starts
 64-byte aligned; it holds exactly the six tensors with the dtypes and shapes that the manifest's
-scheme, G, E, H and I give; its ``__metadata__`` names the same format, version, layer, scheme,
+scheme, G, E, H and I give, stored in kt's order (so two tensors of equal size cannot trade
+places); its ``__metadata__`` names the same format, version, layer, scheme,
 G, E, H and I as the manifest (so a file renamed or swapped into another layer's place is
 refused); and every stored scale is finite (a NaN or Inf scale would turn its rows' output into
 NaN; reading the scales is ~1/H of the data for INT8, 1/(G/2) for INT4).
@@ -58,15 +59,22 @@ def _header_problems(path: Path, f: SafetensorsFile, m: dict, layer: int) -> lis
                                      "(as kt writes it)", f"data at byte {f.data_start}"))
     want = layer_tensors(sch, E, H, I, g)
     names = set(f.keys())
+    offset = 0
     for name in TENSORS:
+        shape, dt = want[name]
+        span = [offset, offset + int(np.prod(shape)) * dt.itemsize]
+        offset = span[1]
         if name not in names:
             out.append(WeightFormatError(path, f"tensor {name!r}", f"tensor {name!r} missing"))
             continue
-        shape, dt = want[name]
         st = st_dtype_name(dt)
         if f.dtype(name) != st or f.shape(name) != tuple(shape):
             out.append(WeightFormatError(path, f"tensor {name!r} of {st} {list(shape)}",
                                          f"tensor {name!r} is {f.dtype(name)} {list(f.shape(name))}"))
+        elif f.header[name]["data_offsets"] != span:  # kt's order: a swap of equal-sized tensors
+            out.append(WeightFormatError(path, f"tensor {name!r} at data bytes {span[0]}..{span[1]} "
+                                         f"(the order {list(TENSORS)})", "tensor "
+                                         f"{name!r} at {f.header[name]['data_offsets']}"))
     extra = sorted(names - set(TENSORS))
     if extra:
         out.append(WeightFormatError(path, f"only the tensors {list(TENSORS)}",
