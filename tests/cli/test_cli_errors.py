@@ -100,3 +100,47 @@ def test_kt_debug_shows_the_traceback(tmp_path, debug):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("kt convert: error: ")
     assert ("Traceback (most recent call last)" in r.stderr) == debug, r.stderr
+
+
+def _npz_payloads():
+    from hypothesis import strategies as st
+
+    def zipped(member: bytes, name: str) -> bytes:
+        import io
+        import zipfile
+
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            z.writestr(name, member)
+        return buf.getvalue()
+
+    npy_head = st.binary(max_size=40).map(lambda b: b"\x93NUMPY\x01\x00" + b)
+    return st.one_of(
+        st.binary(max_size=300),
+        st.binary(max_size=300).map(lambda b: b"PK\x03\x04" + b),
+        st.tuples(st.one_of(st.binary(max_size=200), npy_head),
+                  st.sampled_from(["counts.npy", "meta.npy", "x.npy", "counts"])).map(lambda t: zipped(*t)),
+    )
+
+
+def test_random_npz_statistics_never_print_a_traceback(tmp_path, capsys, monkeypatch):
+    """60 derandomized examples: random bytes, a zip signature then noise, and zips of a random
+    member (noise, or a .npy magic with a random header)."""
+    pytest.importorskip("hypothesis", reason="the property tests need hypothesis (kt[test])")
+    from hypothesis import HealthCheck, given, settings
+
+    monkeypatch.delenv("KT_DEBUG", raising=False)
+    p = tmp_path / "s.npz"
+
+    @settings(max_examples=60, derandomize=True, database=None, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(payload=_npz_payloads())
+    def run(payload):
+        p.write_bytes(payload)
+        rc = main(["placement", "plan", "--stats", str(p), "--budget", "1", "-o", str(tmp_path / "x.json")])
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("kt placement: error: "), err
+        assert str(p) in lines[0] and "Traceback" not in err and "allow_pickle" not in err, err
+
+    run()
