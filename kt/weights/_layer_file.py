@@ -7,10 +7,10 @@ regular file of the size the manifest records; its checksum matches (when asked:
 byte); its safetensors header passes the safetensors rules (``_safetensors_io``); the data starts
 64-byte aligned; it holds exactly the six tensors with the dtypes and shapes that the manifest's
 scheme, G, E, H and I give, stored in kt's order (so two tensors of equal size cannot trade
-places); its ``__metadata__`` names the same format, version, layer, scheme,
-G, E, H and I as the manifest (so a file renamed or swapped into another layer's place is
-refused); and every stored scale is finite (a NaN or Inf scale would turn its rows' output into
-NaN; reading the scales is ~1/H of the data for INT8, 1/(G/2) for INT4).
+places); its ``__metadata__`` names the same format, version, layer, scheme, G, E, H and I as the
+manifest (so a file renamed or swapped into another layer's place is refused); and every stored
+scale is finite (a NaN or Inf scale would turn its rows' output into NaN; the scales are 4 bytes
+per row for INT8, 4/H of w13's data, and 4 bytes per G weights for INT4, 8/G of the data).
 """
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ class _Sink:
     """What ``write_safetensors`` hands its ``fill`` callback.
 
     ``pwrite(name, byte_offset, array)``: write ``array``'s bytes at ``byte_offset`` within
-    tensor ``name`` (os.pwrite: no page faults on a mapping, releases the GIL, thread-safe).
+    tensor ``name`` (os.pwrite: no page faults on a mapping, drops the GIL, thread-safe).
     ``arrays``: writable np.memmap views of every tensor (zero-filled), made on first use.
     """
 

@@ -333,7 +333,7 @@ def test_manifest_that_is_a_fifo_does_not_hang(done):
     t = threading.Thread(target=load, daemon=True)
     t.start()
     t.join(20)
-    if t.is_alive():  # release the blocked open() so the thread ends, then fail
+    if t.is_alive():  # unblock the open() so the thread ends, then fail
         with open(done / "manifest.json", "w"):
             pass
         t.join(20)
