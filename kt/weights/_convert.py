@@ -292,7 +292,10 @@ def _resume_state(out: Path, params: dict, force: bool):
     for name in (MANIFEST, PARTIAL):
         p = out / name
         if p.exists() or p.is_symlink():
-            prev, _ = read_json_file(p)
+            try:
+                prev, _ = read_json_file(p)
+            except FileNotFoundError:  # a dangling symlink
+                prev = None
             if not isinstance(prev, dict):
                 prev = {}
             break

@@ -29,6 +29,8 @@ from ._safetensors_io import ALIGN, SafetensorsError, SafetensorsFile, st_dtype_
 
 __all__ = ["layer_tensors", "layer_metadata", "layer_problems", "open_layer"]
 
+_SCALE_CHUNK = 16 << 20  # bytes of scales checked per pass (bounds the temporaries)
+
 
 def layer_tensors(scheme: QuantScheme, e: int, h: int, i: int, g: int) -> dict:
     """{tensor name: (shape, numpy dtype)} of a layer file, in storage order. g: G (INT4)."""
@@ -107,17 +109,22 @@ def _scale_problems(path: Path, arrays: dict, m: dict) -> list:
         s = arrays[f"{pre}.scale"]
         if s.size == 0:
             continue
-        bad = ~np.isfinite(s)
-        if not bad.any():
+        step = max(1, _SCALE_CHUNK // max(1, s[0].nbytes))  # experts per pass: bounded temporaries
+        first = next((e0 for e0 in range(0, s.shape[0], step)
+                      if not np.isfinite(s[e0:e0 + step]).all()), None)
+        if first is None:
             continue
-        idx = tuple(int(v) for v in np.argwhere(bad)[0])
+        loc = np.argwhere(~np.isfinite(s[first:first + step]))[0]
+        idx = (first + int(loc[0]),) + tuple(int(v) for v in loc[1:])
+        total = int(sum(int((~np.isfinite(s[e0:e0 + step])).sum())
+                        for e0 in range(first, s.shape[0], step)))
         if sch is QuantScheme.INT4:  # [E, NB, D/G, 16]
             e, row, where = idx[0], idx[1] * BLOCK_N + idx[3], f", group {idx[2]}"
         else:  # [E, n_pad]
             e, row, where = idx[0], idx[1], ""
         out.append(WeightFormatError(
             path, "finite scales", f"{pre}.scale of expert {e}, {_row_name(pre, row, n)}{where} is "
-            f"{float(s[idx])} ({int(bad.sum())} non-finite scales in {pre}.scale)",
+            f"{float(s[idx])} ({total} non-finite scales in {pre}.scale)",
             "the file was damaged or written by another tool; reconvert it"))
     return out
 

@@ -312,7 +312,7 @@ class HFSource:
                     raise SourceError(f"{self.root}: layer {L} expert {e}: tensor '{p}.weight' missing")
         g0, _ = self._tensor(entries[(0, gate_n, "weight")])
         if g0.ndim != 2:
-            raise SourceError(self.root, f"2-D expert matrices", f"layer {L} expert 0 {gate_n} of "
+            raise SourceError(self.root, "2-D expert matrices", f"layer {L} expert 0 {gate_n} of "
                               f"shape {list(g0.shape)}")
         I, H = (int(s) for s in g0.shape)
         self._check_config(L, H, I)

@@ -275,6 +275,24 @@ def test_non_finite_scale_refused(base, tmp_path, scheme, index, value, match):
     assert len(problems) == 1 and "layer_00001" in problems[0]
 
 
+def test_non_finite_scales_found_in_any_pass(base, tmp_path, monkeypatch):
+    """The scales are checked a few experts at a time; one expert per pass finds the same."""
+    from kt.weights import _layer_file
+
+    monkeypatch.setattr(_layer_file, "_SCALE_CHUNK", 1)
+    out = tmp_path / "o"
+    shutil.copytree(base[1]["int8"], out)
+    f = out / "layer_00000.safetensors"
+    b0, _ = tensor_span(f, "w2.scale")
+    mm = np.memmap(f, np.float32, "r+", offset=b0, shape=(N_E, 64))
+    mm[2, 7] = mm[3, 1] = np.nan
+    mm.flush()
+    del mm
+    refresh_manifest(out)
+    with pytest.raises(WeightFormatError, match=r"w2\.scale of expert 2, w2 row 7 is nan \(2 non-finite"):
+        load_experts(out, 0)
+
+
 # ------------------------------------------------------------------ malformed manifests
 
 def _set(path, value):
