@@ -492,7 +492,11 @@ def _load_kt_file(cls, path: Path):
             raise ValueError(f"{path}: corrupt metadata (not a JSON object)")
         if "counts" not in z:
             raise ValueError(f"{path}: kt statistics file without 'counts'")
-        return cls._from_meta(meta, z["counts"], z.get("tokens"), str(path))
+        try:
+            return cls._from_meta(meta, z["counts"], z.get("tokens"), str(path))
+        except (TypeError, ValueError) as exc:  # a field of the wrong type in meta or tokens
+            msg = str(exc)
+            raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
     if suffix == ".json":
         try:
             d = json.loads(path.read_text())

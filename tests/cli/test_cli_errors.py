@@ -26,6 +26,9 @@ def files(tmp_path_factory):
     (d / "bin_cfg" / "config.json").write_bytes(b"\xff\xfe{")
     (d / "rnd.npz").write_bytes(np.random.default_rng(1).bytes(700))
     (d / "bad.json").write_text('{"x": ')
+    meta = {"format": "kt.expert_stats", "version": 1, "num_layers": 2, "num_experts": 3,
+            "model": ["not", "a", "name"]}
+    np.savez(d / "badmeta.npz", counts=np.ones((2, 3)), meta=np.array(json.dumps(meta)))
     return d
 
 
@@ -40,6 +43,8 @@ CASES = [
      "rnd.npz: not a .npz archive"),
     (["placement", "plan", "--stats", "{d}/bad.json", "--budget", "1", "-o", "{d}/p.json"],
      "bad.json: not valid JSON"),
+    (["placement", "plan", "--stats", "{d}/badmeta.npz", "--budget", "1", "-o", "{d}/p.json"],
+     "badmeta.npz: model must be a str or None"),
     (["placement", "plan", "--stats", "{d}/missing.npz", "--budget", "1", "-o", "{d}/p.json"],
      "no such file"),
     (["placement", "record", "--trace", "{d}/rnd.npz", "-o", "{d}/s.npz"], "rnd.npz: not a .npz archive"),

@@ -20,6 +20,7 @@ example database, no deadline, a fixed example budget per test (EXAMPLES below: 
 """
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import tempfile
@@ -214,11 +215,13 @@ def _header_edit(data, header):
                                       "duplicate", "delete", "json"]), label="kind")
     name = data.draw(st.sampled_from(names), label="tensor")
     info = header[name]
-    if kind in ("dtype", "shape", "offsets", "offsets_of") and not (
-            isinstance(info, dict) and isinstance(info.get("shape"), list)
-            and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2):
-        kind = "json"  # an earlier edit replaced the entry: replace it again
-    if kind == "offsets_of" and not all(isinstance(header[n], dict) for n in names):
+    def intact(entry):  # an earlier edit may have replaced it: then it is replaced again
+        return (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
+                and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2)
+
+    if kind in ("dtype", "shape", "offsets", "offsets_of") and not intact(info):
+        kind = "json"
+    if kind == "offsets_of" and not all(intact(header[n]) for n in names):
         kind = "json"
     if kind == "dtype":
         info["dtype"] = data.draw(st.sampled_from(["I8", "U8", "I16", "U16", "BF16", "F16", "I32",
@@ -259,7 +262,7 @@ def _header_edit(data, header):
     elif kind == "rename":
         header[data.draw(st.sampled_from(names + ["w13.datA", "w3.scale"]), label="to")] = header.pop(name)
     elif kind == "duplicate":
-        header[data.draw(st.text(max_size=6), label="as")] = dict(info)
+        header[data.draw(st.text(max_size=6), label="as")] = copy.deepcopy(info)
     elif kind == "delete":
         del header[name]
     else:
