@@ -5,7 +5,7 @@ Environment variables (all optional):
 - ``KT_CPU_VARIANT`` (alias ``KT_KERNEL_CPU_VARIANT``): force a CPU kernel variant
   (``amx``, ``avx512_bf16``, ``avx512_vnni``, ``avx512``, ``avx2``).
 - ``KT_CACHE_DIR``: where compiled kernels are cached (default ``~/.cache/kt``).
-- ``KT_DEBUG=1``: log ISA detection and kernel selection.
+- ``KT_DEBUG=1``: log ISA detection and kernel selection; ``kt`` commands print an error's traceback.
 - ``KT_NUM_THREADS``: threads of the default CPU pool (default: the CPUs this process may use).
 - ``KT_GPU_TABLE``: a tuned launch-config table for the GPU kernels (a JSON file as
   ``benchmarks/bench_gpu.py --tune`` writes), used instead of the packaged one for this GPU.

@@ -98,11 +98,12 @@ def _load_trace(path: Path, trust_pickle: bool):
     if suffix == ".npy":
         ids = np.load(path, allow_pickle=False)
     elif suffix == ".npz":
-        with np.load(path, allow_pickle=False) as z:
-            if "topk_ids" not in z.files:
-                raise ValueError(f"{path}: expected an array named 'topk_ids' (found {z.files})")
-            ids = z["topk_ids"]
-            w = z["topk_weights"] if "topk_weights" in z.files else None
+        from kt.placement._stats import read_npz
+
+        z = read_npz(path)
+        if "topk_ids" not in z:
+            raise ValueError(f"{path}: expected an array named 'topk_ids' (found {list(z)})")
+        ids, w = z["topk_ids"], z.get("topk_weights")
     elif suffix in (".pt", ".pth"):
         from kt.placement._stats import _torch_load
 

@@ -386,6 +386,42 @@ def _torch_load(path: Path, trust_pickle: bool):
         raise ValueError(f"{path}: cannot read as a torch file ({type(exc).__name__}: {detail[:200]})") from None
 
 
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip archive's first record (or an empty one)
+
+
+def read_npz(path: Path) -> dict[str, np.ndarray]:
+    """Every array of the .npz archive ``path``, read without unpickling anything.
+
+    A file that is not a zip archive of plain .npy arrays (random bytes, a bare .npy, arrays of
+    Python objects, a damaged archive) is a ValueError naming the file and what it holds.
+    """
+    import zipfile
+
+    if not path.is_file():  # a FIFO would block open()
+        raise ValueError(f"{path}: not a regular file (a .npz archive was expected)")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
+    if head not in _ZIP_MAGIC:
+        what = "a .npy array" if head == b"\x93NUM" else "other bytes"
+        raise ValueError(f"{path}: not a .npz archive (a .npz is a zip of .npy arrays; this file "
+                         f"holds {what})")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {name: z[name] for name in z.files}
+    except Exception as exc:  # zipfile, zlib, numpy header and dtype errors all mean "damaged"
+        msg = str(exc)
+        if "pickle" in msg or "Object arrays" in msg:
+            why = "it holds arrays of Python objects, which kt does not unpickle"
+        elif isinstance(exc, zipfile.BadZipFile):
+            why = f"a damaged zip archive: {msg}"
+        else:
+            why = f"{type(exc).__name__}: {msg.splitlines()[0] if msg else 'unreadable'}"
+        raise ValueError(f"{path}: not a readable .npz archive of numeric arrays ({why})") from None
+
+
 def load_counts(path: str | os.PathLike, *, trust_pickle: bool = False) -> np.ndarray:
     """A plain [L, E] float64 table of counts from .npy, .npz, .json, .pt or .pth.
 
@@ -404,16 +440,16 @@ def load_counts(path: str | os.PathLike, *, trust_pickle: bool = False) -> np.nd
         except ValueError as exc:
             raise ValueError(f"{path}: not a plain numeric .npy ({exc})") from None
     elif suffix == ".npz":
-        with np.load(path, allow_pickle=False) as z:
-            names = [n for n in z.files if n != "meta"]
-            for key in ("counts", "logical_count"):
-                if key in z.files:
-                    a = z[key]
-                    break
-            else:
-                if len(names) != 1:
-                    raise ValueError(f"{path}: expected an array named 'counts' (found {z.files})")
-                a = z[names[0]]
+        z = read_npz(path)
+        names = [n for n in z if n != "meta"]
+        for key in ("counts", "logical_count"):
+            if key in z:
+                a = z[key]
+                break
+        else:
+            if len(names) != 1:
+                raise ValueError(f"{path}: expected an array named 'counts' (found {list(z)})")
+            a = z[names[0]]
     elif suffix == ".json":
         try:
             d = json.loads(path.read_text())
@@ -445,16 +481,22 @@ def _load_kt_file(cls, path: Path):
         raise FileNotFoundError(f"{path}: no such file")
     suffix = path.suffix.lower()
     if suffix == ".npz":
-        with np.load(path, allow_pickle=False) as z:
-            if "meta" not in z.files:
-                return None
-            try:
-                meta = json.loads(str(z["meta"]))
-            except json.JSONDecodeError:
-                raise ValueError(f"{path}: corrupt metadata") from None
-            if "counts" not in z.files:
-                raise ValueError(f"{path}: kt statistics file without 'counts'")
-            return cls._from_meta(meta, z["counts"], z["tokens"] if "tokens" in z.files else None, str(path))
+        z = read_npz(path)
+        if "meta" not in z:
+            return None
+        try:
+            meta = json.loads(str(z["meta"]))
+        except (json.JSONDecodeError, RecursionError):
+            raise ValueError(f"{path}: corrupt metadata") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{path}: corrupt metadata (not a JSON object)")
+        if "counts" not in z:
+            raise ValueError(f"{path}: kt statistics file without 'counts'")
+        try:
+            return cls._from_meta(meta, z["counts"], z.get("tokens"), str(path))
+        except (TypeError, ValueError) as exc:  # a field of the wrong type in meta or tokens
+            msg = str(exc)
+            raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
     if suffix == ".json":
         try:
             d = json.loads(path.read_text())

@@ -1,4 +1,8 @@
-"""Test helpers shared by kt's tests and benchmarks."""
+"""Test helpers shared by kt's tests and benchmarks.
+
+``kt.testing.checkpoints`` builds tiny source checkpoints (HF families, fp8, fused, GGUF) and edits
+converted directories; it is not imported here (its builders import torch, transformers, gguf).
+"""
 from __future__ import annotations
 
 import numpy as np

@@ -13,6 +13,7 @@ H=7168, 2 threads: 0.35 GB). It never depends on the number of layers or experts
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +23,12 @@ import numpy as np
 
 from .._version import __version__
 from ..config import GROUP_SIZES, QuantScheme
-from ..cpu_ops.packing import padded_dims
-from ._format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, PARTIAL, TENSORS, WeightFormatError,
-                      CHECKSUM_ALGO, checksum_of_same_kind, default_threads, file_checksum,
-                      layer_file_name, read_manifest)
-from ._pack import fill_padding_rows, packed_array_specs, quantize_pack_into
-from ._safetensors_io import SafetensorsFile, write_json_atomic, write_safetensors
+from ._format import (CHECKSUM_ALGO, FORMAT_NAME, FORMAT_VERSION, MANIFEST, PARTIAL,
+                      WeightFormatError, default_threads, entry_ok, file_checksum, layer_file_name,
+                      load_manifest, read_json_file, read_manifest, shape_meta)
+from ._layer_file import layer_metadata, layer_problems, layer_tensors
+from ._pack import fill_padding_rows, quantize_pack_into
+from ._safetensors_io import write_json_atomic, write_safetensors
 from ._sources import SourceError, open_source
 
 __all__ = ["convert", "verify", "parse_layers"]
@@ -56,30 +57,13 @@ def parse_layers(spec: str | None) -> list[int] | None:
     return sorted(out)
 
 
-def _layer_tensors(scheme: QuantScheme, e: int, h: int, i: int, g: int) -> dict:
-    s13 = packed_array_specs(scheme, e, 2 * i, h, g)
-    s2 = packed_array_specs(scheme, e, h, i, g)
-    t = {f"w13.{k}": s13[k] for k in ("data", "scale", "wsum")}
-    t.update({f"w2.{k}": s2[k] for k in ("data", "scale", "wsum")})
-    return t
-
-
-def _shape_meta(scheme, e, h, i, g) -> dict:
-    n13, d13 = padded_dims(2 * i, h, scheme, g)
-    n2, d2 = padded_dims(h, i, scheme, g)
-    return {"w13": {"n": 2 * i, "d": h, "n_pad": n13, "d_pad": d13},
-            "w2": {"n": h, "d": i, "n_pad": n2, "d_pad": d2}}
-
-
 def _convert_layer(lx, scheme: QuantScheme, g: int, path: Path, pool: ThreadPoolExecutor,
                    fsync: bool) -> None:
     """Each task packs one expert into its thread's buffers (one expert's packed output, padding
     included, every byte written) and pwrites them to the expert's slice of each tensor."""
     E, H, I = lx.num_experts, lx.hidden, lx.inter
-    tensors = _layer_tensors(scheme, E, H, I, g)
-    meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "layer": str(lx.layer),
-            "scheme": scheme.value, "group_size": str(g), "num_experts": str(E),
-            "hidden_size": str(H), "intermediate_size": str(I)}
+    tensors = layer_tensors(scheme, E, H, I, g)
+    meta = layer_metadata(scheme, lx.layer, E, H, I, g)
     local = threading.local()
 
     def buffers():
@@ -161,16 +145,9 @@ def convert(source, out_dir, scheme: QuantScheme | str = "int8", group_size: int
         raise ValueError(f"threads must be positive, got {threads}")
     src = open_source(source)
     try:
-        want = parse_layers(layers) if isinstance(layers, str) else (
-            sorted(set(int(x) for x in layers)) if layers is not None else None)
-        if want is None:
-            want = list(src.moe_layers)
-        missing = [L for L in want if L not in src.moe_layers]
-        if missing:
-            raise ValueError(f"layers {missing} are not MoE layers of {source} "
-                             f"(MoE layers: {src.moe_layers})")
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        want = _wanted_layers(src, layers, source)
+        lxs = _scan(src, want, source)  # every layer is checked before anything is written
+        out = _output_dir(out_dir)
         with _dir_lock(out):
             params = _params(src, scheme, g, want)
             done = _resume_state(out, params, force)
@@ -190,12 +167,7 @@ def convert(source, out_dir, scheme: QuantScheme | str = "int8", group_size: int
             try:
                 with ThreadPoolExecutor(threads) as pool:
                     for L in todo:
-                        lx = src.layer(L)
-                        got = (lx.num_experts, lx.hidden, lx.inter)
-                        first = (src.num_experts, src.hidden, src.inter)
-                        if got != first:
-                            raise SourceError(f"{source}: layer {L} has (E, H, I) = {got}; layer "
-                                              f"{src.moe_layers[0]} has {first}")
+                        lx = lxs[L]
                         name = layer_file_name(L)
                         _convert_layer(lx, scheme, g, out / name, pool, fsync)
                         files[str(L)] = {"file": name, "bytes": (out / name).stat().st_size,
@@ -215,7 +187,7 @@ def convert(source, out_dir, scheme: QuantScheme | str = "int8", group_size: int
                         "kt_version": __version__, "scheme": scheme.value, "group_size": g,
                         "num_experts": src.num_experts, "hidden_size": src.hidden,
                         "intermediate_size": src.inter,
-                        **_shape_meta(scheme, src.num_experts, src.hidden, src.inter, g),
+                        **shape_meta(scheme, src.num_experts, src.hidden, src.inter, g),
                         **({"int4_scales": INT4_SCALES} if scheme is QuantScheme.INT4 else {}),
                         "layers": want, "architecture": src.architecture,
                         "model_type": src.model_type,
@@ -226,6 +198,59 @@ def convert(source, out_dir, scheme: QuantScheme | str = "int8", group_size: int
             return manifest
     finally:
         src.close()
+
+
+def _wanted_layers(src, layers, source) -> list[int]:
+    """The layers to convert: ``layers`` (list or '0-3,7'), default every MoE layer; a layer
+    config.json makes a MoE layer but the checkpoint holds no experts for is refused."""
+    if layers is None or isinstance(layers, str):
+        want = parse_layers(layers)
+    else:
+        try:
+            want = sorted({operator.index(x) for x in layers})
+        except TypeError:
+            raise ValueError(f"layers must be layer indices or a string like '0-3,7', got "
+                             f"{layers!r}") from None
+    expected = getattr(src, "expected_moe_layers", lambda: None)()
+    if want is None:
+        want = sorted(set(src.moe_layers) | set(expected or ()))
+    absent = [L for L in want if L not in src.moe_layers]
+    should = [L for L in absent if expected and L in expected]
+    if should:
+        raise SourceError(source, "expert tensors for every MoE layer config.json describes "
+                          f"({len(expected)} layers)", f"no expert tensors for layers {should}")
+    if absent:
+        raise ValueError(f"layers {absent} are not MoE layers of {source} "
+                         f"(MoE layers: {src.moe_layers})")
+    return want
+
+
+def _scan(src, want: list[int], source) -> dict:
+    """{L: LayerExperts} of every layer to convert: the readers check each layer's expert set,
+    dtypes and shapes from the headers, and all layers must have the same (E, H, I)."""
+    first = (src.num_experts, src.hidden, src.inter)
+    out = {}
+    for L in want:
+        lx = src.layer(L)
+        got = (lx.num_experts, lx.hidden, lx.inter)
+        if got != first:
+            raise SourceError(source, f"(E, H, I) = {first} in every layer (as in layer "
+                              f"{src.moe_layers[0]})", f"layer {L} has (E, H, I) = {got}")
+        out[L] = lx
+    return out
+
+
+def _output_dir(out_dir) -> Path:
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise WeightFormatError(out, "a directory to write the conversion into (or a path to "
+                                "create one)", "an existing file that is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WeightFormatError(out, "a directory kt can create", f"cannot create it "
+                                f"({exc.strerror})") from None
+    return out
 
 
 @contextlib.contextmanager
@@ -240,8 +265,9 @@ def _dir_lock(out: Path):
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise WeightFormatError(f"{out}: another kt convert is writing into this directory "
-                                    f"(it holds {out / LOCK})") from None
+            raise WeightFormatError(out, "no other kt convert writing into this directory",
+                                    f"another kt convert is writing into this directory (it "
+                                    f"holds {out / LOCK})") from None
         yield
     finally:
         f.close()
@@ -255,25 +281,30 @@ def _remove_stale_temps(out: Path) -> None:
 
 
 def _resume_state(out: Path, params: dict, force: bool):
-    """Finished layers to keep ({layer: file entry}); None when ``out`` is already complete."""
-    import json
+    """Finished layers to keep ({layer: file entry}); None when ``out`` is already complete.
 
+    A layer is kept when its file passes every check the loader makes (``layer_problems``,
+    checksum included) against the recorded entry; anything unreadable is redone."""
     def own_files():
         return [out / MANIFEST, out / PARTIAL, *out.glob("layer_*.safetensors")]
 
     prev = None
     for name in (MANIFEST, PARTIAL):
         p = out / name
-        if p.exists():
+        if p.exists() or p.is_symlink():
             try:
-                prev = json.loads(p.read_text())
-            except json.JSONDecodeError:
+                prev, _ = read_json_file(p)
+            except FileNotFoundError:  # a dangling symlink
+                prev = None
+            if not isinstance(prev, dict):
                 prev = {}
             break
     if prev is None:
         if any(out.glob("layer_*.safetensors")) and not force:
-            raise WeightFormatError(f"{out}: holds layer files but no manifest; pass force=True "
-                                    "(--force) to overwrite, or pick an empty directory")
+            raise WeightFormatError(out, "an empty directory, or one kt convert wrote (with a "
+                                    "manifest)", "layer files but no manifest",
+                                    "pass force=True (--force) to overwrite, or pick an empty "
+                                    "directory")
         if force:
             for p in own_files():
                 p.unlink(missing_ok=True)
@@ -284,78 +315,44 @@ def _resume_state(out: Path, params: dict, force: bool):
             why = (" (it was converted before INT4 scales became integer ratios: it still loads and "
                    "runs, and --force re-converts it for the faster AMX prefill)"
                    if diff == ["int4_scales"] else "")
-            raise WeightFormatError(f"{out}: holds a different conversion (differs in {diff}){why}; "
-                                    "pass force=True (--force) to replace it, or pick another directory")
+            raise WeightFormatError(out, "an empty directory or the same conversion (to resume "
+                                    "it)", f"holds a different conversion (differs in {diff}){why}",
+                                    "pass force=True (--force) to replace it, or pick another "
+                                    "directory")
         for p in own_files():
             p.unlink(missing_ok=True)
         return {}
+    files = prev.get("files")
     keep = {}
-    for L, ent in (prev.get("files") or {}).items():
-        p = out / ent.get("file", "")
-        try:
-            ok = (p.is_file() and p.stat().st_size == ent.get("bytes")
-                  and checksum_of_same_kind(p, ent.get("checksum", "")) == ent.get("checksum"))
-        except WeightFormatError:  # unknown checksum algorithm: redo the layer
-            ok = False
-        if ok:
-            keep[L] = ent
-    if (out / MANIFEST).exists():
-        if len(keep) == len(params["layers"]):
+    for L in params["layers"]:
+        ent = files.get(str(L)) if isinstance(files, dict) else None
+        if not entry_ok(ent, L):
+            continue
+        if not layer_problems(out, {**params, "files": {str(L): ent}}, L):
+            keep[str(L)] = ent
+    if (out / MANIFEST).exists() or (out / MANIFEST).is_symlink():
+        if len(keep) == len(params["layers"]) and not load_manifest(out)[1]:
             return None
         (out / MANIFEST).unlink()  # damaged: fall back to a resumable partial state
     return keep
 
 
 def verify(out_dir, threads: int | None = None, *, raise_on_error: bool = True) -> list[str]:
-    """Re-check every file of a kt weight directory against its manifest.
+    """Re-check every file of a kt weight directory: what ``load_experts`` checks, for every
+    layer, plus every file's checksum.
 
-    Checks the manifest (format, version, fields), that every layer file exists with the
-    recorded size and checksum, and that its header holds the six tensors with the shapes the
-    manifest implies. Returns the list of problems (empty if all is well); raises
+    The manifest schema (``_format.manifest_problems``: fields, types, ranges, one entry per
+    layer) and, per layer file, its size, checksum, safetensors header, tensor names, dtypes and
+    shapes, ``__metadata__`` (format, version, layer, scheme, G, E, H, I) and finite scales
+    (``_layer_file``). Returns one line per problem (empty if all is well); raises
     ``WeightFormatError`` listing them when ``raise_on_error``.
     """
     out = Path(out_dir)
-    m = read_manifest(out)
-    problems: list[str] = []
-    scheme = QuantScheme.parse(m["scheme"])
-    tensors = _layer_tensors(scheme, m["num_experts"], m["hidden_size"], m["intermediate_size"],
-                             m["group_size"] or 64)
-    for L in m["layers"]:
-        ent = m["files"].get(str(L))
-        if ent is None:
-            problems.append(f"{out / MANIFEST}: layer {L} has no file entry")
-            continue
-        p = out / ent["file"]
-        if not p.is_file():
-            problems.append(f"{p}: missing (layer {L})")
-            continue
-        size = p.stat().st_size
-        if size != ent["bytes"]:
-            problems.append(f"{p}: {size} bytes, manifest says {ent['bytes']} (truncated or replaced)")
-            continue
-        got = checksum_of_same_kind(p, ent["checksum"], threads)
-        if got != ent["checksum"]:
-            problems.append(f"{p}: checksum mismatch (file {got}, manifest {ent['checksum']}): "
-                            "the file is corrupt; reconvert this layer")
-            continue
-        problems.extend(check_layer_header(p, tensors))
-    if problems and raise_on_error:
-        raise WeightFormatError(f"{out}: verification failed:\n  " + "\n  ".join(problems))
-    return problems
-
-
-def check_layer_header(path: Path, tensors: dict) -> list[str]:
-    try:
-        f = SafetensorsFile(path)
-    except ValueError as exc:
-        return [str(exc)]
-    out = []
-    for name in TENSORS:
-        shape, dt = tensors[name]
-        if name not in f:
-            out.append(f"{path}: tensor {name!r} missing")
-        elif f.shape(name) != tuple(shape) or f.get(name).dtype != np.dtype(dt):
-            out.append(f"{path}: tensor {name!r} is {f.dtype(name)} {list(f.shape(name))}, expected "
-                       f"{np.dtype(dt).name} {list(shape)}")
-    return out
-
+    m, problems = load_manifest(out)
+    if not problems:
+        for L in m["layers"]:
+            problems.extend(layer_problems(out, m, L, threads))
+    lines = [" ".join(str(p).split()) for p in problems]
+    if lines and raise_on_error:
+        raise WeightFormatError(f"{out}: verification failed:\n  " + "\n  ".join(lines))
+    return lines

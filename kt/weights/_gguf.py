@@ -5,6 +5,8 @@ array [E, N, D] (unquantised types) or [E, N, bytes per row] (block-quantised ty
 is dequantised on its own with ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K,
 Q6_K, and whatever else that function supports), so memory stays bounded by one expert's fp32
 matrices per worker thread. The fused ``ffn_gate_up_exps`` form is read too (gate rows first).
+When the file records ``{arch}.expert_count``, every layer's stacks must hold exactly that many
+experts.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._sources import LayerExperts, SourceError
+from ._source_base import LayerExperts, SourceError, check_expert_ids
 
 __all__ = ["GGUFSource", "SUPPORTED_TYPES"]
 
@@ -50,6 +52,14 @@ class GGUFSource:
             if m:
                 self.tensors.setdefault(int(m["L"]), {})[m["p"]] = t
         self.moe_layers = sorted(self.tensors)
+        count = self.reader.fields.get(f"{self.architecture}.expert_count")
+        self.configured = None
+        if count is not None:
+            try:
+                self.configured = int(count.contents())
+            except (TypeError, ValueError):
+                raise SourceError(self.path, f"{self.architecture}.expert_count to be an integer",
+                                  f"{count.contents()!r}") from None
         if not self.moe_layers:
             raise SourceError(f"{self.path}: GGUF (architecture {self.architecture!r}) has no expert "
                               "tensors 'blk.{L}.ffn_{gate,up,down}_exps.weight'")
@@ -99,6 +109,9 @@ class GGUFSource:
         if not ok:
             raise SourceError(f"{self.path}: layer {L} expert shapes {shapes} do not fit "
                               f"down [E, H, I] = [{E}, {H}, {I}]")
+        if self.configured is not None:
+            check_expert_ids(self.path, L, range(E), self.configured,
+                             f"{self.architecture}.expert_count")
         qts = {p: self._qtype(ent[p]) for p in need}
         total = sum(int(ent[p].n_bytes) for p in need)
 

@@ -21,9 +21,9 @@ import numpy as np
 from ..config import MoEShape, QuantScheme
 from ..cpu_ops import _align
 from ..cpu_ops.packing import BLOCK_N, D_ALIGN, PackedWeight, padded_dims
-from ._format import WeightFormatError, checksum_of_same_kind, read_manifest
+from ._format import MANIFEST, WeightFormatError, read_manifest
+from ._layer_file import open_layer
 from ._pack import fill_padding_rows, packed_array_specs
-from ._safetensors_io import SafetensorsFile
 
 __all__ = ["load_experts", "LoadedExperts", "NodeShard", "NumaTopology", "shard_ranges",
            "make_shards"]
@@ -152,7 +152,8 @@ class LoadedExperts:
 
 def _expect(path, what, want, got):
     if want is not None and want != got:
-        raise WeightFormatError(f"{path}: {what} is {got!r}, but the caller expects {want!r}")
+        raise WeightFormatError(path, f"{what} {want!r} (what the caller asks for)",
+                                f"{what} is {got!r}")
 
 
 def load_experts(out_dir, layer: int, physical_to_logical_map=None, *, scheme=None, shape=None,
@@ -163,14 +164,16 @@ def load_experts(out_dir, layer: int, physical_to_logical_map=None, *, scheme=No
     physical_to_logical_map: int [P]; physical slot p holds logical expert map[p] (copies the
     stacks unless it is the identity). scheme / shape (MoEShape or (E, H, I)) / group_size: what the
     caller expects; a mismatch raises WeightFormatError naming the file. verify: re-check the
-    file's checksum (reads every page once; XXH64, ~14 GB/s per thread). pool / topology: NUMA
-    nodes to shard over (``topology``, else the pool's ``topology`` or ``nodes``, else detected
-    from sysfs); one node = no copy.
+    file's checksum (reads every page once; XXH64, ~14 GB/s per thread). Whatever ``verify``,
+    the manifest and the layer file's header are checked as ``kt convert --verify`` checks them
+    (``_format.manifest_problems``, ``_layer_file``) and the stored scales must be finite.
+    pool / topology: NUMA nodes to shard over (``topology``, else the pool's ``topology`` or
+    ``nodes``, else detected from sysfs); one node = no copy.
     """
     out = Path(out_dir)
     m = read_manifest(out)
-    mpath = out / "manifest.json"
-    sch = QuantScheme.parse(m["scheme"])
+    mpath = out / MANIFEST
+    sch = QuantScheme(m["scheme"])
     E, H, I, g = m["num_experts"], m["hidden_size"], m["intermediate_size"], m["group_size"]
     if sch is QuantScheme.INT4 and m.get("int4_scales") != "ratio":
         import warnings
@@ -187,41 +190,14 @@ def load_experts(out_dir, layer: int, physical_to_logical_map=None, *, scheme=No
         want = ((shape.num_experts, shape.hidden, shape.intermediate) if isinstance(shape, MoEShape)
                 else tuple(int(v) for v in shape))
         _expect(mpath, "(E, H, I)", want, (E, H, I))
-    if not isinstance(layer, (int, np.integer)) or str(int(layer)) not in m["files"]:
-        raise WeightFormatError(f"{mpath}: layer {layer!r} is not in this conversion "
-                                f"(layers: {m['layers']})")
-    ent = m["files"][str(int(layer))]
-    path = out / ent["file"]
-    if not path.is_file():
-        raise WeightFormatError(f"{path}: missing (layer {layer} of {mpath})")
-    size = path.stat().st_size
-    if size != ent["bytes"]:
-        raise WeightFormatError(f"{path}: {size} bytes but the manifest records {ent['bytes']} "
-                                "(truncated or replaced); reconvert it")
-    if verify:
-        got = checksum_of_same_kind(path, ent["checksum"], threads)
-        if got != ent["checksum"]:
-            raise WeightFormatError(f"{path}: checksum mismatch (file {got}, manifest "
-                                    f"{ent['checksum']}): the file is corrupt; reconvert it")
-    try:
-        f = SafetensorsFile(path)
-    except ValueError as exc:
-        raise WeightFormatError(str(exc)) from None
-    meta = f.metadata
-    _expect(path, "layer (file metadata)", str(int(layer)), meta.get("layer"))
-    _expect(path, "scheme (file metadata)", sch.value, meta.get("scheme"))
-    arrays = {}
+    if (isinstance(layer, bool) or not isinstance(layer, (int, np.integer))
+            or str(int(layer)) not in m["files"]):
+        raise WeightFormatError(mpath, f"a layer of this conversion (layers: {m['layers']})",
+                                f"layer {layer!r} is not in this conversion")
+    layer = int(layer)
+    arrays = open_layer(out, m, layer, verify=verify, threads=threads)
+    path = out / m["files"][str(layer)]["file"]
     g_eff = g or 64
-    for pre, (n, d) in (("w13", (2 * I, H)), ("w2", (H, I))):
-        for key, (shp, dt) in packed_array_specs(sch, E, n, d, g_eff).items():
-            name = f"{pre}.{key}"
-            if name not in f:
-                raise WeightFormatError(f"{path}: tensor {name!r} missing")
-            a = f.get(name)
-            if a.shape != shp or a.dtype != dt:
-                raise WeightFormatError(f"{path}: tensor {name!r} is {a.dtype} {list(a.shape)}, "
-                                        f"expected {dt} {list(shp)}")
-            arrays[name] = a
     w13 = _packed(sch, 2 * I, H, g_eff, arrays, "w13")
     w2 = _packed(sch, H, I, g_eff, arrays, "w2")
     p2l = None
@@ -233,7 +209,7 @@ def load_experts(out_dir, layer: int, physical_to_logical_map=None, *, scheme=No
     shards = ()
     if len(topo.nodes) > 1:
         shards = make_shards(w13, w2, I, topo)
-    return LoadedExperts(int(layer), path, sch, g if sch is QuantScheme.INT4 else 0,
+    return LoadedExperts(layer, path, sch, g if sch is QuantScheme.INT4 else 0,
                          w13.data.shape[0], H, I, w13, w2, shards, p2l)
 
 

@@ -5,17 +5,28 @@ then the data; ``data_offsets`` are relative to the start of the data. kt pads i
 so that the data starts at a 64-byte-aligned file offset; every tensor kt writes has a byte size
 that is a multiple of 64, so every tensor starts 64-byte aligned in the file, and (the mapping
 being page aligned) in memory.
+
+A header is checked before any tensor is read, with the rules of the safetensors library: the
+header is a JSON object with no repeated names; ``__metadata__``, if present, maps strings to
+strings; each tensor has a known dtype, a shape of non-negative integers and two data offsets
+0 <= begin <= end whose difference is exactly dtype size x the shape's product (Python integers:
+no overflow); and the tensors, sorted by offset, tile the data section exactly: no overlap, no
+gap, nothing past the end of the file and nothing after the last tensor.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SafetensorsFile", "read_header", "write_safetensors", "DTYPES", "ALIGN"]
+from ._files import FileFormatError, open_regular
+
+__all__ = ["SafetensorsFile", "SafetensorsError", "read_header", "write_safetensors", "DTYPES",
+           "ALIGN"]
 
 ALIGN = 64
 _MAX_HEADER = 100 << 20
@@ -33,64 +44,124 @@ _NP_TO_ST = {np.dtype("<f4"): "F32", np.dtype("i1"): "I8", np.dtype("u1"): "U8",
              np.dtype("<f2"): "F16", np.dtype("<f8"): "F64"}
 
 
-class SafetensorsError(ValueError):
-    """A safetensors file that cannot be parsed (the message names the file)."""
+class SafetensorsError(FileFormatError):
+    """A safetensors file that cannot be parsed: ``.path``, ``.expected``, ``.found``."""
 
 
-def read_header(path: str | Path) -> tuple[dict, int, int]:
-    """(header dict without __metadata__ entries kept under '__metadata__', data start, file size)."""
-    path = Path(path)
+def st_dtype_name(dt) -> str:
+    """The safetensors dtype name kt writes for numpy dtype ``dt`` (uint16 is stored as U16)."""
+    return _NP_TO_ST[np.dtype(dt)]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _no_repeats(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"the name {k!r} appears twice")
+        d[k] = v
+    return d
+
+
+def _parse(path: Path, text: bytes, data_len: int) -> tuple[dict, dict]:
+    """(tensors {name: {"dtype", "shape", "data_offsets"}}, metadata) of a checked header."""
+    def bad(expected, found):
+        return SafetensorsError(path, expected, found)
+
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise SafetensorsError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise SafetensorsError(
-                    f"{path}: bad safetensors header length {n} for a file of {size} bytes "
-                    "(truncated or not a safetensors file)")
-            text = f.read(n)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: file not found") from None
-    try:
-        header = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SafetensorsError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_repeats)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise bad("a JSON object as the safetensors header",
+                  f"safetensors header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
-        raise SafetensorsError(f"{path}: safetensors header is not a JSON object")
-    data_start = 8 + n
-    data_len = size - data_start
+        raise bad("a JSON object as the safetensors header", f"a JSON {type(header).__name__}")
+    meta = header.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("__metadata__ to map strings to strings", f"__metadata__ = {meta!r:.200}")
+    spans = []
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dt = DTYPES[info["dtype"]]
-            shape = [int(s) for s in info["shape"]]
-            b0, b1 = (int(v) for v in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
-        want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        if b1 - b0 != want or b0 < 0:
-            raise SafetensorsError(f"{path}: tensor {name!r} data_offsets {b0}..{b1} do not match "
-                                   f"its shape {shape} and dtype {info['dtype']}")
-        if b1 > data_len:
-            raise SafetensorsError(f"{path}: truncated: tensor {name!r} ends at data byte {b1} but the "
-                                   f"file holds {data_len} data bytes")
-    return header, data_start, size
+        if not isinstance(info, dict):
+            raise bad(f"tensor {name!r} to be an object", f"{info!r:.200}")
+        dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dt, str) or dt not in DTYPES:
+            raise bad(f"tensor {name!r} to have a dtype in {sorted(DTYPES)}", f"dtype {dt!r:.60}")
+        if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+            raise bad(f"tensor {name!r} to have a shape of non-negative integers",
+                      f"shape {shape!r:.200}")
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(v) for v in offs)
+                or not 0 <= offs[0] <= offs[1]):
+            raise bad(f"tensor {name!r} to have data_offsets [begin, end], 0 <= begin <= end",
+                      f"data_offsets {offs!r:.200}")
+        nbytes = math.prod(shape) * DTYPES[dt].itemsize
+        if offs[1] - offs[0] != nbytes:
+            raise bad(f"tensor {name!r} to span {nbytes} bytes ({dt} {shape})",
+                      f"data_offsets {offs[0]}..{offs[1]} ({offs[1] - offs[0]} bytes)")
+        spans.append((offs[0], offs[1], name))
+    end = 0
+    for b0, b1, name in sorted(spans):
+        if b0 != end:
+            what = "overlaps the tensor before it" if b0 < end else f"leaves a gap {end}..{b0}"
+            raise bad("tensors that tile the data section (no overlap, no gap)",
+                      f"tensor {name!r} at data bytes {b0}..{b1} {what}")
+        end = b1
+    if end > data_len:
+        name = max(spans)[2]
+        raise bad(f"a file holding all {end} data bytes the header describes",
+                  f"truncated: tensor {name!r} ends at data byte {end} but the file holds "
+                  f"{data_len} data bytes")
+    if end < data_len:
+        raise bad(f"{end} data bytes (what the header describes)",
+                  f"{data_len - end} bytes after the last tensor")
+    return header, meta
+
+
+def read_header(path: str | Path, f=None) -> tuple[dict, dict, int, int]:
+    """(tensors {name: {"dtype", "shape", "data_offsets"}}, metadata, data start, file size),
+    checked as the module doc says. ``f``: the file already open (else ``path`` is opened)."""
+    path = Path(path)
+    own = f is None
+    if own:
+        f = open_regular(path, SafetensorsError)
+    try:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(0)
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise SafetensorsError(path, "a safetensors file (8-byte header length first)",
+                                   f"truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise SafetensorsError(path, f"a header length of at most {min(_MAX_HEADER, size - 8)} "
+                                   "bytes", f"bad safetensors header length {n} for a file of "
+                                   f"{size} bytes (truncated or not a safetensors file)")
+        text = f.read(n)
+    finally:
+        if own:
+            f.close()
+    tensors, meta = _parse(path, text, size - 8 - n)
+    return tensors, meta, 8 + n, size
 
 
 class SafetensorsFile:
     """A safetensors file mapped read-only; ``get(name)`` returns a numpy view into the mapping.
 
     bf16 tensors come back as uint16 bit patterns, fp8 as uint8 (the caller knows ``dtype(name)``).
+    ``f``: the file already open (its descriptor is mapped; else ``path`` is opened).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, f=None):
         self.path = Path(path)
-        self.header, self.data_start, self.size = read_header(self.path)
-        self.metadata = self.header.pop("__metadata__", None) or {}
+        self._f = f if f is not None else open_regular(self.path, SafetensorsError)
+        try:
+            self.header, self.metadata, self.data_start, self.size = read_header(self.path, self._f)
+        except BaseException:
+            self._f.close()
+            raise
         self._map = None
 
     def keys(self) -> list[str]:
@@ -103,14 +174,14 @@ class SafetensorsFile:
         return self.header[name]["dtype"]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(s) for s in self.header[name]["shape"])
+        return tuple(self.header[name]["shape"])
 
     @property
     def mapping(self) -> np.ndarray:
         if self._map is None:
-            if self.size == 0:
-                raise SafetensorsError(f"{self.path}: empty file")
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            if self._f is None:
+                raise ValueError(f"{self.path}: read after close()")
+            self._map = np.memmap(self._f, dtype=np.uint8, mode="r", shape=(self.size,))
         return self._map
 
     def get(self, name: str) -> np.ndarray:
@@ -121,7 +192,7 @@ class SafetensorsFile:
             raise KeyError(f"{self.path}: no tensor named {name!r}") from None
         dt = DTYPES[info["dtype"]]
         b0, b1 = info["data_offsets"]
-        shape = tuple(int(s) for s in info["shape"])
+        shape = tuple(info["shape"])
         raw = self.mapping[self.data_start + b0: self.data_start + b1]
         if (self.data_start + b0) % dt.itemsize:  # unaligned element start: numpy needs a copy
             return np.frombuffer(raw.tobytes(), dtype=dt).reshape(shape)
@@ -129,13 +200,16 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._map = None
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
 class _Sink:
     """What ``write_safetensors`` hands its ``fill`` callback.
 
     ``pwrite(name, byte_offset, array)``: write ``array``'s bytes at ``byte_offset`` within
-    tensor ``name`` (os.pwrite: no page faults on a mapping, releases the GIL, thread-safe).
+    tensor ``name`` (os.pwrite: no page faults on a mapping, drops the GIL, thread-safe).
     ``arrays``: writable np.memmap views of every tensor (zero-filled), made on first use.
     """
 
@@ -196,7 +270,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[tuple[int, ...]
     off = 0
     for name, (shape, dt) in tensors.items():
         dt = np.dtype(dt)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        nbytes = math.prod(int(s) for s in shape) * dt.itemsize
         st = (st_dtypes or {}).get(name) or _NP_TO_ST[dt]
         if DTYPES[st].itemsize != dt.itemsize:
             raise ValueError(f"st_dtypes[{name!r}] = {st} does not fit numpy dtype {dt}")

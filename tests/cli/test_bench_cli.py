@@ -12,10 +12,10 @@ def test_bench_tiny(capsys):
 
 
 def test_bench_bad_input(capsys):
-    assert main(["bench", "--shape", "nope"]) == 1
+    assert main(["bench", "--shape", "nope"]) == 2
     assert "unknown shape" in capsys.readouterr().err
-    assert main(["bench", "--shape", "tiny", "--tokens", "0"]) == 1
-    assert main(["bench", "--shape", "tiny", "--schemes", "fp4"]) == 1
+    assert main(["bench", "--shape", "tiny", "--tokens", "0"]) == 2
+    assert main(["bench", "--shape", "tiny", "--schemes", "fp4"]) == 2
     assert "unknown quantisation scheme" in capsys.readouterr().err
 
 

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "weights"))
-from _checkpoints import small_checkpoint  # noqa: E402
-
-from kt.cli.main import main  # noqa: E402
+from kt.cli.main import main
+from kt.testing.checkpoints import small_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,11 +39,11 @@ def test_convert_and_verify(src, tmp_path, capsys):
 
 
 def test_cli_errors(src, tmp_path, capsys):
-    assert main(["convert", str(tmp_path / "missing"), "-o", str(tmp_path / "o"), "-q"]) == 1
+    assert main(["convert", str(tmp_path / "missing"), "-o", str(tmp_path / "o"), "-q"]) == 2
     assert "no such checkpoint" in capsys.readouterr().err
-    assert main(["convert", str(src)]) == 1
+    assert main(["convert", str(src)]) == 2
     assert "usage: kt convert" in capsys.readouterr().err
-    assert main(["convert", str(src), "-o", str(tmp_path / "o"), "--layers", "1-x", "-q"]) == 1
+    assert main(["convert", str(src), "-o", str(tmp_path / "o"), "--layers", "1-x", "-q"]) == 2
     assert "--layers: cannot parse '1-x'" in capsys.readouterr().err
     assert main(["convert", "--verify", str(tmp_path)]) == 1
     assert "manifest.json: missing" in capsys.readouterr().err

@@ -48,24 +48,24 @@ def test_plan_bytes_budget_and_strategies(tmp_path, capsys):
 def test_plan_errors_and_warnings(tmp_path, capsys):
     pj = tmp_path / "p.json"
     assert main(["placement", "plan", "--shape", "2", "4", "--budget", "1KiB", "--expert-bytes", "4096",
-                 "-o", str(pj)]) == 1
+                 "-o", str(pj)]) == 2
     assert "smaller than one expert" in capsys.readouterr().err
-    assert main(["placement", "plan", "--shape", "2", "4", "--budget", "5", "-o", str(pj)]) == 1
+    assert main(["placement", "plan", "--shape", "2", "4", "--budget", "5", "-o", str(pj)]) == 2
     assert "'frequency' needs activation statistics" in capsys.readouterr().err
     assert main(["placement", "plan", "--shape", "2", "4", "--budget", "50", "--strategy", "random",
                  "-o", str(pj)]) == 0
     assert "placing every expert on the GPU" in capsys.readouterr().err
     np.save(tmp_path / "neg.npy", np.array([[1.0, -1.0]]))
-    assert main(["placement", "plan", "--stats", str(tmp_path / "neg.npy"), "--budget", "1", "-o", str(pj)]) == 1
+    assert main(["placement", "plan", "--stats", str(tmp_path / "neg.npy"), "--budget", "1", "-o", str(pj)]) == 2
     assert "negative count" in capsys.readouterr().err
     assert main(["placement", "plan", "--shape", "2", "4", "--budget", "1", "--strategy", "uniform",
-                 "--moe-layers", "x", "-o", str(pj)]) == 1
+                 "--moe-layers", "x", "-o", str(pj)]) == 2
 
 
 def test_show_rejects_stats_of_another_model(tmp_path, capsys):
     pj = Placement.from_contiguous(2, 4, 1).save(tmp_path / "p.json")
     np.save(tmp_path / "c.npy", np.ones((3, 4)))
-    assert main(["placement", "show", str(pj), "--stats", str(tmp_path / "c.npy")]) == 1
+    assert main(["placement", "show", str(pj), "--stats", str(tmp_path / "c.npy")]) == 2
     assert "but the model has num_layers=2" in capsys.readouterr().err
 
 
@@ -87,7 +87,7 @@ def test_record_from_trace_files(tmp_path):
     np.testing.assert_allclose(s.counts, ref, rtol=1e-12)
     assert main(["placement", "record", "--trace", str(tmp_path / "t.pt"), "-o", str(out)]) == 0
     assert ExpertStats.load(out).shape == (3, int(ids.max()) + 1)
-    assert main(["placement", "record", "--trace", str(tmp_path / "t.pt"), "--weighted", "-o", str(out)]) == 1
+    assert main(["placement", "record", "--trace", str(tmp_path / "t.pt"), "--weighted", "-o", str(out)]) == 2
 
 
 def test_record_from_a_model(tmp_path, capsys):
@@ -109,7 +109,7 @@ def test_record_from_a_model(tmp_path, capsys):
     n = sum(len(tok(p).input_ids) for p in ("hello world", "the experts of a layer"))
     assert (s.counts.sum(axis=1) == n * 4).all()  # top-4 in every layer
     assert "2 prompts" in capsys.readouterr().out
-    assert main(["placement", "record", "--model", str(tmp_path / "nope"), "-o", str(out)]) == 1
+    assert main(["placement", "record", "--model", str(tmp_path / "nope"), "-o", str(out)]) == 2
 
 
 def test_placement_without_action_prints_help(capsys):

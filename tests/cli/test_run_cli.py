@@ -129,7 +129,7 @@ def test_budget_arithmetic():
     (["run", "M", "--dry-run", "--kt-weight-path", "/nonexistent/kt"], "no such directory"),
 ])
 def test_errors(argv, msg, capsys):
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert msg in capsys.readouterr().err
 
 
@@ -137,7 +137,7 @@ def test_mismatched_weight_directory_is_refused(tiny_model, capsys):
     d, w = tiny_model
     (w / "manifest.json").write_text(json.dumps({"scheme": "int8", "num_experts": 16, "hidden_size": H,
                                                  "intermediate_size": I, "layers": [0, 1]}))
-    assert main(["run", str(d), "--dry-run", "--kt-weight-path", str(w), "--kt-num-gpu-experts", "1"]) == 1
+    assert main(["run", str(d), "--dry-run", "--kt-weight-path", str(w), "--kt-num-gpu-experts", "1"]) == 2
     assert "converted from another model" in capsys.readouterr().err
 
 

@@ -138,11 +138,7 @@ def test_bad_topologies(weights):
 def test_from_kt_uses_the_loaders_shards(tmp_path):
     """NumaMoE.from_kt: the loader builds the node shards (pinned first touch) from the kt weight
     directory; the layer equals the same directory's unsharded CPUMoE split by from_cpu_moe."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "weights"))
-    from _checkpoints import small_checkpoint
+    from kt.testing.checkpoints import small_checkpoint
 
     from kt.weights import convert
 

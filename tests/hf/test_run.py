@@ -70,4 +70,4 @@ def test_cli_bad_input(model_dir, tmp_path, capsys, args, match):
     finally:
         sys.stdin = old
     err = capsys.readouterr().err
-    assert rc == 1 and match in err, err
+    assert rc == 2 and match in err, err

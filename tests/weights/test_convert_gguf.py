@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from _checkpoints import gguf_file, layer_errors
+from kt.testing.checkpoints import gguf_file, layer_errors
 
 from kt.weights import SourceError, convert, verify
 

@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 
-from _checkpoints import fp8_checkpoint, fused_checkpoint, hf_checkpoint, layer_errors
+from kt.testing.checkpoints import fp8_checkpoint, fused_checkpoint, hf_checkpoint, layer_errors
 
 import kt
 from kt.weights import SourceError, convert, load_experts, verify
@@ -168,7 +168,7 @@ def test_truncated_source(ckpts, tmp_path):
 
 
 def test_config_disagrees_with_tensors(tmp_path):
-    from _checkpoints import small_checkpoint
+    from kt.testing.checkpoints import small_checkpoint
 
     src, _ = small_checkpoint(tmp_path, 1, 4)
     cfg = json.loads((src / "config.json").read_text())

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from _checkpoints import small_checkpoint
+from kt.testing.checkpoints import small_checkpoint
 
 from kt import reference as ref
 from kt.cpu_ops.packing import pack_quantized, unpack

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _checkpoints import layer_errors, small_checkpoint
+from kt.testing.checkpoints import layer_errors, small_checkpoint
 
 from kt.weights import WeightFormatError, convert, load_experts, verify
 
@@ -113,7 +113,7 @@ def test_corruption_caught_and_repaired(src, done):
 def test_missing_and_truncated_layer_file(done):
     f = done / "layer_00001.safetensors"
     f.write_bytes(f.read_bytes()[:-64])
-    with pytest.raises(WeightFormatError, match=r"layer_00001\.safetensors: \d+ bytes but the manifest records"):
+    with pytest.raises(WeightFormatError, match=r"layer_00001\.safetensors: \d+ bytes \(truncated or replaced\); expected \d+ bytes"):
         load_experts(done, 1)
     assert "layer_00001.safetensors" in verify(done, raise_on_error=False)[0]
     f.unlink()
@@ -133,13 +133,13 @@ def test_newer_format_version(done):
 
 
 def test_caller_expectations(done):
-    with pytest.raises(WeightFormatError, match=r"manifest\.json: scheme is 'int4', but the caller expects 'int8'"):
+    with pytest.raises(WeightFormatError, match=r"manifest\.json: scheme is 'int4'; expected scheme 'int8' \(what the caller asks for\)"):
         load_experts(done, 0, scheme="int8")
-    with pytest.raises(WeightFormatError, match=r"\(E, H, I\) is \(4, 64, 32\), but the caller expects \(4, 64, 48\)"):
+    with pytest.raises(WeightFormatError, match=r"\(E, H, I\) is \(4, 64, 32\); expected \(E, H, I\) \(4, 64, 48\)"):
         load_experts(done, 0, shape=(4, 64, 48))
-    with pytest.raises(WeightFormatError, match="group_size is 32, but the caller expects 64"):
+    with pytest.raises(WeightFormatError, match="group_size is 32; expected group_size 64"):
         load_experts(done, 0, group_size=64)
-    with pytest.raises(WeightFormatError, match=r"layer 7 is not in this conversion \(layers: \[0, 1, 2, 3\]\)"):
+    with pytest.raises(WeightFormatError, match=r"layer 7 is not in this conversion; expected a layer of this conversion \(layers: \[0, 1, 2, 3\]\)"):
         load_experts(done, 7)
     from kt.config import MoEShape
 

@@ -1,4 +1,5 @@
-"""Tiny source checkpoints for the converter tests, built offline (no downloads).
+"""Tiny source checkpoints for the tests of kt.weights and of everything that loads converted
+experts, built offline (no downloads): ``from kt.testing.checkpoints import small_checkpoint``.
 
 HF families via transformers ``from_config`` + ``save_pretrained``, expert weights re-drawn with
 std 1/sqrt(fan_in) (what trained layers look like); a synthetic fp8 block-scaled checkpoint and a
@@ -275,3 +276,64 @@ def small_checkpoint(root: Path, n_layers: int = 4, n_e: int = 4, hidden: int = 
         refs[L] = (torch.cat([g, u], 1).float().numpy(), d.float().numpy())
     save_file(tensors, out / "model.safetensors")
     return out, refs
+
+
+# --------------------------------------------------------------- damaging a converted directory
+
+def read_layer_header(path) -> tuple[dict, int]:
+    """(the parsed safetensors header of a layer file, __metadata__ included; its length N)."""
+    import struct
+
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), n
+
+
+def write_layer_header(path, header, raw_header: bytes | None = None) -> None:
+    """Replace the header of a safetensors file, keeping its data bytes. ``header``: a dict
+    (serialised), or ``raw_header`` bytes as they are. A header that fits is padded with spaces to
+    the old length (the data stays where it was); a longer one moves the data behind it, to the
+    next 64-byte boundary."""
+    import struct
+
+    path = Path(path)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    data = raw[8 + n:]
+    text = raw_header if raw_header is not None else json.dumps(header, separators=(",", ":")).encode()
+    if len(text) <= n:
+        text += b" " * (n - len(text))
+    else:
+        text += b" " * ((-(8 + len(text))) % 64)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def refresh_manifest(out_dir) -> dict:
+    """Recompute every layer file's size and checksum in ``manifest.json`` (what an attacker who
+    edits a file and covers the edit would do); entries that are not well-formed are left alone.
+    Returns the manifest written."""
+    from kt.weights._format import file_checksum
+
+    mpath = Path(out_dir) / "manifest.json"
+    m = json.loads(mpath.read_text())
+    files = m.get("files") if isinstance(m, dict) else None
+    for ent in files.values() if isinstance(files, dict) else ():
+        if not isinstance(ent, dict) or not isinstance(ent.get("file"), str):
+            continue
+        p = Path(out_dir) / ent["file"]
+        if p.is_file():
+            ent["bytes"] = p.stat().st_size
+            algo = str(ent.get("checksum", "xxh64x16MiB-sha256")).split(":", 1)[0]
+            try:
+                ent["checksum"] = file_checksum(p, 1, algo)
+            except ValueError:
+                pass
+    mpath.write_text(json.dumps(m))
+    return m
+
+
+def tensor_span(path, name: str) -> tuple[int, int]:
+    """[begin, end) file offsets of tensor ``name``'s bytes in a safetensors file."""
+    header, n = read_layer_header(path)
+    b0, b1 = header[name]["data_offsets"]
+    return 8 + n + b0, 8 + n + b1
