@@ -296,11 +296,21 @@ class Placement:
              model: str | None = None) -> "Placement":
         """Read a placement JSON; with num_layers/num_experts (and model) given, check it fits the model."""
         path = Path(path)
+        if not path.is_file():  # (a FIFO or a device would block the read, a directory fail it)
+            what = "no such file" if not path.exists() else "not a regular file"
+            raise ValueError(f"{path}: {what} (expected a placement JSON written by `kt placement plan`)")
         try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
-        p = cls.from_dict(d, source=str(path))
+            d = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else f"not valid JSON: {exc}"
+            raise ValueError(f"{path}: not a placement JSON ({why})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: not a placement JSON (the top level is a {type(d).__name__}, "
+                             "expected an object)")
+        try:
+            p = cls.from_dict(d, source=str(path))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: not a placement JSON ({type(exc).__name__}: {exc})") from None
         if num_layers is not None or num_experts is not None:
             p.check_model(num_layers if num_layers is not None else p.num_layers,
                           num_experts if num_experts is not None else p.num_experts, model)

@@ -422,6 +422,18 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
         raise ValueError(f"{path}: not a readable .npz archive of numeric arrays ({why})") from None
 
 
+def _read_json(path: Path):
+    """A JSON statistics file's content, or a ValueError naming the file."""
+    if not path.is_file():
+        raise ValueError(f"{path}: not a regular file")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a statistics JSON (nested too deeply)") from None
+
+
 def load_counts(path: str | os.PathLike, *, trust_pickle: bool = False) -> np.ndarray:
     """A plain [L, E] float64 table of counts from .npy, .npz, .json, .pt or .pth.
 
@@ -437,8 +449,8 @@ def load_counts(path: str | os.PathLike, *, trust_pickle: bool = False) -> np.nd
     if suffix == ".npy":
         try:
             a = np.load(path, allow_pickle=False)
-        except ValueError as exc:
-            raise ValueError(f"{path}: not a plain numeric .npy ({exc})") from None
+        except (ValueError, OSError, EOFError):  # (numpy names pickles for any unknown bytes)
+            raise ValueError(f"{path}: not a numeric .npy array file") from None
     elif suffix == ".npz":
         z = read_npz(path)
         names = [n for n in z if n != "meta"]
@@ -451,10 +463,7 @@ def load_counts(path: str | os.PathLike, *, trust_pickle: bool = False) -> np.nd
                 raise ValueError(f"{path}: expected an array named 'counts' (found {list(z)})")
             a = z[names[0]]
     elif suffix == ".json":
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        d = _read_json(path)
         if isinstance(d, dict):
             d = d.get("counts", d.get("logical_count"))
             if d is None:
@@ -498,10 +507,7 @@ def _load_kt_file(cls, path: Path):
             msg = str(exc)
             raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
     if suffix == ".json":
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        d = _read_json(path)
         if isinstance(d, dict) and "format" in d:
             return cls._from_meta(d, d.get("counts"), d.get("tokens"), str(path))
     return None

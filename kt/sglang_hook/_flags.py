@@ -328,8 +328,11 @@ def read_model_info(model_path) -> ModelInfo | None:
         return None
     try:
         cfg = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise KTArgumentError(f"{cfg_path}: cannot read the model config ({exc})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise KTArgumentError(f"{cfg_path}: cannot read the model config ({type(exc).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise KTArgumentError(f"{cfg_path}: the model config is a JSON {type(cfg).__name__}, expected an "
+                              "object")
     return model_info_from_config(cfg)
 
 

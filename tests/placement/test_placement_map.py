@@ -142,3 +142,26 @@ def test_import_pulls_in_no_optional_dependency():
             "print([m for m in ('torch', 'matplotlib', 'numba', 'triton') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_load_refuses_what_is_not_a_placement_file(tmp_path):
+    """Placement.load names the file for a FIFO (which would block a read), a directory,
+    undecodable bytes, a JSON nested too deeply for the parser, and a JSON that is not an object."""
+    import os
+
+    from kt.placement import Placement
+
+    fifo = tmp_path / "p.fifo"
+    os.mkfifo(fifo)
+    cases = {fifo: "not a regular file", tmp_path: "not a regular file",
+             tmp_path / "missing.json": "no such file"}
+    (tmp_path / "bytes.json").write_bytes(bytes(range(256)))
+    cases[tmp_path / "bytes.json"] = "not a placement JSON"
+    (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    cases[tmp_path / "deep.json"] = "nested too deeply"
+    (tmp_path / "list.json").write_text("[1, 2]")
+    cases[tmp_path / "list.json"] = "top level is a list"
+    for path, msg in cases.items():
+        with pytest.raises(ValueError, match=msg) as ei:
+            Placement.load(path)
+        assert str(path) in str(ei.value)

@@ -211,3 +211,23 @@ def test_bad_stats_files(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match="cannot read"):
         ExpertStats.load(tmp_path / "bad.pt")
+
+
+def test_load_counts_names_the_file_for_bad_bytes(tmp_path):
+    """Random bytes as .npy (numpy would speak of pickles), a JSON nested too deeply, a FIFO."""
+    import os
+
+    from kt.placement import load_counts
+
+    rng = np.random.default_rng(0)
+    npy = tmp_path / "r.npy"
+    npy.write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    fifo = tmp_path / "s.json"
+    os.mkfifo(fifo)
+    for path, msg in ((npy, "not a numeric .npy array file"), (deep, "nested too deeply"),
+                      (fifo, "not a regular file")):
+        with pytest.raises(ValueError, match=msg) as ei:
+            load_counts(path)
+        assert str(path) in str(ei.value) and "pickle" not in str(ei.value)

@@ -206,3 +206,12 @@ def test_pool_on_chosen_numa_nodes():
         pool.shutdown()
     with pytest.raises(KTArgumentError, match="have no CPU this process may use"):
         node_cpus((4095,))
+
+
+def test_model_config_that_is_not_an_object_is_a_clear_error(tmp_path):
+    from kt.sglang_hook._flags import KTArgumentError, read_model_info
+
+    for body in (b"[1, 2]", b"\xff\xfe\x00", b"[" * 100000 + b"]" * 100000):
+        (tmp_path / "config.json").write_bytes(body)
+        with pytest.raises(KTArgumentError, match="config.json"):
+            read_model_info(tmp_path)
