@@ -4,9 +4,6 @@ Legend: T tokens, E experts, K top-k, H hidden size, I expert intermediate size.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from ._flags import KTArgumentError, ModelInfo
@@ -53,7 +50,13 @@ def model_info(kt_config, opts, layer, E: int, H: int, I: int, K: int) -> ModelI
                                   f"FusedMoE layer {layer.layer_id} has E={E}, H={H}")
         return m
     if opts.kt_weight_path is not None:
-        layers = json.loads((Path(opts.kt_weight_path) / "manifest.json").read_text())["layers"]
+        from ..weights import WeightFormatError
+        from ..weights._format import read_manifest
+
+        try:
+            layers = read_manifest(opts.kt_weight_path)["layers"]
+        except WeightFormatError as exc:
+            raise KTArgumentError(f"kt: --kt-weight-path: {exc}") from None
         return ModelInfo(max(layers) + 1, E, K, H, I, tuple(int(v) for v in layers))
     if opts.kt_placement is not None:
         from ..placement import Placement
