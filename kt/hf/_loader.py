@@ -41,7 +41,7 @@ __all__ = ["LoadInfo", "load_checkpoint", "params_on_meta"]
 class LoadInfo:
     """What ``load_model`` read; stored on the model as ``model.kt_load``.
 
-    experts_from: "kt weights" (a kt weight directory) or "checkpoint" (converted at load).
+    experts_from: "kt weight directory" or "checkpoint" (converted at load).
     tensors_read: names of the checkpoint tensors read (non-expert ones only, FP8 scales too).
     bytes_read: their stored size. skipped: checkpoint tensors the model has no place for
     (e.g. DeepSeek-V3's multi-token-prediction layer), not read.
@@ -147,13 +147,17 @@ def _plan(model, ckpt: Checkpoint, rename, skip: tuple[str, ...]
     return plan, sorted(set(ckpt.tensors) - used)
 
 
-def _set_tensor(model, name: str, value: torch.Tensor, old: torch.Tensor) -> None:
-    mod_name, _, attr = name.rpartition(".")
-    mod = model.get_submodule(mod_name) if mod_name else model
+def _set_tensor(model, names: list[str], value: torch.Tensor, old: torch.Tensor) -> None:
+    """Put ``value`` in place of ``old`` under each of ``names`` (tied weights stay one object)."""
     if isinstance(old, nn.Parameter):
-        setattr(mod, attr, nn.Parameter(value, requires_grad=old.requires_grad))
-    else:
-        mod._buffers[attr] = value
+        value = nn.Parameter(value, requires_grad=old.requires_grad)
+    for name in names:
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        if isinstance(old, nn.Parameter):
+            setattr(mod, attr, value)
+        else:
+            mod._buffers[attr] = value
 
 
 def _pack_layer(lx, scheme: QuantScheme, group_size: int, executor):
@@ -251,7 +255,7 @@ def load_checkpoint(path: Path, patch: PatchConfig, *, device: torch.device, dty
                               f"{missing} (the model's MoE layers are {layers})")
     builder = ExpertsBuilder(patch, num_layers=num_layers, last_layer=layers[-1], num_experts=e,
                              hidden=h, intermediate=i, device=device)
-    info = LoadInfo("kt weights" if loader is not None else "checkpoint", skipped=skipped)
+    info = LoadInfo("kt weight directory" if loader is not None else "checkpoint", skipped=skipped)
 
     src = None if loader is not None else open_expert_source(path, ckpt.config)
     threads = patch.threads
@@ -275,8 +279,7 @@ def load_checkpoint(path: Path, patch: PatchConfig, *, device: torch.device, dty
                                   disable=not progress):
         dest = torch.empty(tuple(old.shape), dtype=old.dtype, device=device)
         ckpt.read_into(ref, dest)
-        for name in aliases:
-            _set_tensor(model, name, dest, old)
+        _set_tensor(model, aliases, dest, old)
         info.tensors_read.append(ref.name)
         info.bytes_read += ref.nbytes
         scale = ckpt.scale_of(ref.name) if ref.dtype == "F8_E4M3" else None
