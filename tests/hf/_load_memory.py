@@ -69,8 +69,7 @@ def main(argv=None) -> dict:
 
     if args.warmup:  # imports, kernel compilation and first-use allocations of both paths
         for mode in ("old", "checkpoint"):
-            m = _load(argparse.Namespace(**{**vars(args), "mode": mode, "weights": None}), args.warmup)
-            del m
+            _load(argparse.Namespace(**{**vars(args), "mode": mode, "weights": None}), args.warmup)
             gc.collect()
     baseline = _status_kb("VmRSS") * 1024
     _reset_peak()
