@@ -67,6 +67,25 @@ def test_tied_embeddings(tmp_path):
     torch.testing.assert_close(_logits(new), _logits(_old_path(d, "fp32", scheme="int8")), rtol=0, atol=0)
 
 
+def test_fused_checkpoint(ckpts, tmp_path):
+    """A checkpoint holding transformers 5's fused experts (gate_up_proj [E, 2I, H], down_proj
+    [E, H, I]) instead of per-expert tensors loads to the same model."""
+    require_kt_backend()
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    src = ckpts["qwen3_moe"]
+    d = tmp_path / "fused"
+    shutil.copytree(src, d)
+    (d / "model.safetensors").unlink()
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True)
+    state = {k: v.contiguous() for k, v in m.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file(state, str(d / "model.safetensors"))
+    new, _ = load_model(d, PatchConfig(scheme="int8"), device="cpu", dtype="bf16", progress=False)
+    torch.testing.assert_close(_logits(new), _logits(_old_path(src, "bf16", scheme="int8")), rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------- no expert read
 
 class _ReadLog:
