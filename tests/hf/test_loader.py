@@ -17,7 +17,7 @@ from kt.hf.accuracy import random_prompts
 from kt.hf.run import load_model
 from kt.hf.tiny import save_tiny_model
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def _logits(model, seed=0, length=12):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_equals_the_old_path(ckpts, family, dtype):
     """Same weights, same packing (the converter's kernels quantise as CPUMoE.from_tensors
     does), same model code: the logits are bitwise equal, for every scheme."""
@@ -56,6 +56,18 @@ def test_equals_the_old_path(ckpts, family, dtype):
             assert p.dtype == old_w[name].dtype and torch.equal(p, old_w[name]), name
         torch.testing.assert_close(_logits(new), _logits(old), rtol=0, atol=0,
                                    msg=f"{family} {dtype} {scheme}")
+
+
+def test_reference_backend(ckpts):
+    """backend="reference" gets the layer's dense weights from the converter's reader."""
+    for family in ("olmoe", "mixtral"):
+        with pytest.warns(UserWarning, match="reference"):
+            new, _ = load_model(ckpts[family], PatchConfig(scheme="int4", backend="reference"),
+                                device="cpu", dtype="fp32", progress=False)
+        with pytest.warns(UserWarning, match="reference"):
+            old = _old_path(ckpts[family], "fp32", scheme="int4", backend="reference")
+        assert new.kt_patch.backend == "reference"
+        torch.testing.assert_close(_logits(new, length=6), _logits(old, length=6), rtol=0, atol=0)
 
 
 def test_tied_embeddings(tmp_path):
