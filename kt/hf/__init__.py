@@ -3,7 +3,9 @@
 The only kt package that imports transformers (lazily: importing ``kt.hf`` needs torch only;
 a missing transformers raises ImportError naming ``pip install 'kt[hf]'`` at first use).
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    # a checkpoint on disk: its experts are never materialised (docs/loading.md)
+    model, tok = kt.hf.load_model(path, kt.hf.PatchConfig(scheme="int8", weight_path=kt_dir))
+    # a model already in memory: its experts are replaced and freed layer by layer
     kt.patch_model(model, kt.hf.PatchConfig(scheme="int8"))
 
 Supported families: ``kt.hf.FAMILIES`` (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2/V3, OLMoE).
@@ -28,6 +30,7 @@ _LAZY = {
     "Agreement": "kt.hf.accuracy:Agreement",
     "compare_models": "kt.hf.accuracy:compare_models",
     "load_model": "kt.hf.run:load_model",
+    "LoadInfo": "kt.hf._loader:LoadInfo",
     "require_transformers": "kt.hf._compat:require_transformers",
     "record_routing": "kt.hf.stats:record_routing",
     "moe_layers": "kt.hf.stats:moe_layers",

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import GROUP_SIZES, QuantScheme, check_activations
 from ._compat import require_transformers
-from ._experts import KTExperts, ReferenceMoE
+from ._experts import KTExperts
 from .families import family_of
 
 __all__ = ["PatchConfig", "PatchInfo", "patch_model", "find_experts", "ExpertsSite"]
@@ -171,22 +171,38 @@ def find_experts(model: nn.Module) -> list[ExpertsSite]:
     return sorted(sites, key=lambda s: s.layer_idx)
 
 
-# ----------------------------------------------------------------------------- backends
-
-def _default_pool(cfg: PatchConfig):
-    """The pool the model's layers run on: the config's, or the process's pool of
-    ``cfg.threads`` threads (None: each layer's default)."""
-    if cfg.pool is not None or cfg.threads is None or cfg.backend != "kt":
-        return cfg.pool
-    from ..cpu_ops.pool import default_pool
-
-    return default_pool(cfg.threads)
-
+# ----------------------------------------------------------------------------- patching
 
 def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def check_sites(sites: list[ExpertsSite]) -> tuple[int, int, int]:
+    """(E, H, I) shared by every experts module; ValueError naming the first that differs."""
+    e, h, i = sites[0].num_experts, sites[0].hidden, sites[0].intermediate
+    for s in sites:
+        if (s.num_experts, s.hidden, s.intermediate) != (e, h, i):
+            raise ValueError(f"{s.name}: shape E={s.num_experts} H={s.hidden} I={s.intermediate} differs "
+                             f"from the first experts module's E={e} H={h} I={i}")
+    return e, h, i
+
+
+def resolve_config(config: PatchConfig | None, overrides: dict) -> PatchConfig:
+    if config is None:
+        return PatchConfig(**overrides)
+    if overrides:
+        from dataclasses import replace
+
+        return replace(config, **overrides)
+    return config
+
+
+def reference_warning(config: PatchConfig, stacklevel: int = 3) -> None:
+    if config.backend == "reference":
+        warnings.warn("kt: backend='reference' computes the experts in numpy (fp64): "
+                      "exact but slow; use it for debugging only", stacklevel=stacklevel)
 
 
 def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress: bool = True,
@@ -201,48 +217,38 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
     placement are all checked before the first layer is touched, so those errors leave the model
     as it was; an error converting a layer's weights (e.g. NaN) leaves the earlier layers patched.
 
+    The model must hold its experts already; ``kt.hf.load_model`` loads a checkpoint without
+    ever materialising them (see docs/loading.md).
+
     ``device``: where the model will run (default: where its weights are now). Give "cuda" to
     patch a model still on the CPU and move it afterwards: the experts never reach the GPU.
     """
     from tqdm import tqdm  # not tqdm.auto: no ipywidgets warning in notebooks
 
-    if config is None:
-        config = PatchConfig(**overrides)
-    elif overrides:
-        from dataclasses import replace
+    from ._build import ExpertsBuilder
 
-        config = replace(config, **overrides)
+    config = resolve_config(config, overrides)
     sites = find_experts(model)
     model_type = model.config.model_type
-    e, h, i = sites[0].num_experts, sites[0].hidden, sites[0].intermediate
+    e, h, i = check_sites(sites)
     for s in sites:
-        if (s.num_experts, s.hidden, s.intermediate) != (e, h, i):
-            raise ValueError(f"{s.name}: shape E={s.num_experts} H={s.hidden} I={s.intermediate} differs "
-                             f"from the first experts module's E={e} H={h} I={i}")
+        if s.module.gate_up_proj.device.type == "meta":
+            raise ValueError(f"{s.name} holds no weights (meta tensors); load the model with "
+                             "kt.hf.load_model, which puts kt experts in place without them")
     num_layers = int(getattr(model.config, "num_hidden_layers", max(s.layer_idx for s in sites) + 1))
 
     loader = None
     if config.weight_path is not None:
         from ._weights import WeightDirLoader
 
-        loader = WeightDirLoader(config.weight_path, model, config, [s.layer_idx for s in sites],
-                                 num_experts=e, hidden=h, intermediate=i)
-    hybrid = config.placement is not None or config.deferral > 0
-    if config.backend == "kt":
-        from ..cpu_ops.moe import CPUMoE as cpu_cls
-        from ..layer import DeferredChain, HybridMoE
-    if config.placement is not None:
-        check = getattr(config.placement, "check_model", None)
-        if check is not None:
-            check(num_layers, e)
+        by_layer = {s.layer_idx: s.module for s in sites}
+        loader = WeightDirLoader(config.weight_path, config, [s.layer_idx for s in sites],
+                                 model_type=model_type, num_experts=e, hidden=h, intermediate=i,
+                                 model_dir=getattr(model.config, "_name_or_path", None),
+                                 gate_up_of=lambda L: by_layer[L].gate_up_proj)
     device = torch.device(device) if device is not None else _model_device(model)
-    if hybrid and device.type != "cuda" and config.placement is not None \
-            and int(config.placement.gpu_mask.sum()) > 0:
-        raise ValueError(f"the placement puts experts on the GPU but the model runs on {device}; "
-                         "pass device='cuda' (or move the model to a CUDA device) to patch_model")
-    pool = _default_pool(config)
-    chain = None
-    last_layer = sites[-1].layer_idx
+    builder = ExpertsBuilder(config, num_layers=num_layers, last_layer=sites[-1].layer_idx,
+                             num_experts=e, hidden=h, intermediate=i, device=device)
 
     freed = 0
     for s in tqdm(sites, desc=f"kt: experts -> {config.scheme.value}", unit="layer",
@@ -252,38 +258,22 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
         freed += gu.numel() * gu.element_size() + dn.numel() * dn.element_size()
         gate, up = gu[:, :i], gu[:, i:]
         if config.backend == "reference":
-            src = loader.dequantized(s.layer_idx) if loader is not None else (gate, up, dn)
-            moe, name = ReferenceMoE(*src, config.scheme, config.group_size,
-                                     config.activations), "reference"
+            dense = loader.dequantized(s.layer_idx) if loader is not None else (gate, up, dn)
+            new = builder.build(s.layer_idx, dense=dense)
         else:
+            cpu_cls = builder.cpu_class()
             if loader is not None:
-                cpu = loader.cpu_moe(cpu_cls, s.layer_idx, pool)
+                cpu = loader.cpu_moe(cpu_cls, s.layer_idx, builder.pool)
             else:
                 cpu = cpu_cls.from_tensors(gate.cpu(), up.cpu(), dn.cpu(), scheme=config.scheme,
-                                           group_size=config.group_size, pool=pool)
-            if config.activations != "int8":
-                cpu.activations = config.activations
-            if hybrid:
-                if chain is None and config.deferral:
-                    chain = DeferredChain()
-                row = None if config.placement is None else config.placement.gpu_slot[s.layer_idx]
-                moe = HybridMoE(cpu, row, device=device if device.type == "cuda" else None,
-                                 max_deferred_experts_per_token=config.deferral, chain=chain,
-                                 is_last_layer=s.layer_idx == last_layer, layer_idx=s.layer_idx)
-                name = "hybrid"
-            else:
-                moe, name = cpu, "cpu"
-        new = KTExperts(moe, layer_idx=s.layer_idx, num_experts=e, hidden=h, intermediate=i,
-                        scheme=config.scheme, backend=name, device_inputs=name == "hybrid")
+                                           group_size=config.group_size, pool=builder.pool)
+            new = builder.build(s.layer_idx, cpu=cpu)
         del gu, dn, gate, up
         # drop the parameters themselves, so the memory goes even if someone holds the old module
         mod.gate_up_proj = None
         mod.down_proj = None
         setattr(s.parent, s.attr, new)
     model.kt_patch = PatchInfo(config, model_type, tuple(s.layer_idx for s in sites), e, h, i,
-                               "reference" if config.backend == "reference" else
-                               ("hybrid" if hybrid else "cpu"), freed)
-    if config.backend == "reference":
-        warnings.warn("kt.patch_model: backend='reference' computes the experts in numpy (fp64): "
-                      "exact but slow; use it for debugging only", stacklevel=2)
+                               builder.backend_name, freed)
+    reference_warning(config)
     return model

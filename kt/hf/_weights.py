@@ -26,16 +26,21 @@ def _sha256(path: Path) -> str:
 
 
 class WeightDirLoader:
-    """A kt weight directory, validated against ``model`` before any layer is patched.
+    """A kt weight directory, validated against the model before any layer is patched.
 
     Checks the manifest's model_type, E/H/I, layers, scheme and G against the model and the
-    PatchConfig, the source checkpoint's config.json (when the model came from a directory), and
-    that one expert's dequantised weights match the model's own (so a directory converted from
-    another checkpoint of the same shape is refused too). Mismatches raise WeightFormatError.
+    PatchConfig, and the source checkpoint's identity: its config.json (when ``model_dir`` has
+    one) and, for ``check_files``, the names and sizes of its safetensors files. With
+    ``gate_up_of(layer)`` (the model's own gate_up_proj [E, 2I, H]) it also checks that two
+    experts' dequantised weights match the model's, so a directory converted from another
+    checkpoint of the same shape is refused too; ``load_model`` has no expert weights to compare
+    with (it never reads them) and relies on the identity checks. Mismatches raise
+    WeightFormatError naming the manifest.
     """
 
-    def __init__(self, path, model, config, layers, *, num_experts: int, hidden: int,
-                 intermediate: int):
+    def __init__(self, path, config, layers, *, model_type: str | None, num_experts: int,
+                 hidden: int, intermediate: int, model_dir=None, gate_up_of=None,
+                 check_files: dict[str, int] | None = None):
         from ..weights._format import WeightFormatError, read_manifest
 
         self.path = Path(path)
@@ -47,9 +52,8 @@ class WeightDirLoader:
         def fail(msg):
             raise WeightFormatError(f"{where}: {msg}")
 
-        mt = getattr(model.config, "model_type", None)
-        if m.get("model_type") not in (None, mt):
-            fail(f"converted from a {m['model_type']!r} model, but this model is {mt!r}")
+        if m.get("model_type") not in (None, model_type):
+            fail(f"converted from a {m['model_type']!r} model, but this model is {model_type!r}")
         got = (m["num_experts"], m["hidden_size"], m["intermediate_size"])
         if got != (num_experts, hidden, intermediate):
             fail(f"experts are (E, H, I) = {got}, but this model has {(num_experts, hidden, intermediate)}: "
@@ -66,12 +70,21 @@ class WeightDirLoader:
         if missing:
             fail(f"has no experts for layers {missing} of this model (it holds {m['layers']})")
         src = m.get("source") or {}
-        own = Path(str(getattr(model.config, "_name_or_path", "") or "")) / "config.json"
-        if src.get("config_sha256") and own.is_file() and _sha256(own) != src["config_sha256"]:
+        own = Path(str(model_dir or "")) / "config.json"
+        if model_dir and src.get("config_sha256") and own.is_file() \
+                and _sha256(own) != src["config_sha256"]:
             fail(f"was converted from {src.get('path')}, whose config.json differs from this "
                  f"model's ({own})")
+        if check_files is not None and src.get("kind") == "hf" and src.get("files"):
+            theirs = {f["name"]: int(f["bytes"]) for f in src["files"]}
+            for name in sorted(set(theirs) | set(check_files)):
+                if theirs.get(name) != check_files.get(name):
+                    fail(f"was converted from {src.get('path')}, whose safetensors files differ from "
+                         f"this checkpoint's ({name}: {theirs.get(name)} bytes there, "
+                         f"{check_files.get(name)} here): convert this checkpoint with `kt convert`")
         self.layers = list(layers)
-        self._check_content(model, layers[0], intermediate)
+        if gate_up_of is not None:
+            self._check_content(gate_up_of(layers[0]), layers[0])
 
     def _load(self, layer):
         from ..weights import load_experts
@@ -79,19 +92,14 @@ class WeightDirLoader:
         return load_experts(self.path, layer, scheme=self.config.scheme,
                             group_size=self.config.group_size, verify=False)
 
-    def _check_content(self, model, layer, intermediate):
+    def _check_content(self, gate_up, layer):
         from ..cpu_ops.packing import unpack
         from ..weights._format import WeightFormatError
 
-        mod = next((m for n, m in model.named_modules()
-                    if getattr(m, "gate_up_proj", None) is not None
-                    and f"layers.{layer}." in f"{n}."), None)
-        if mod is None:
-            return
         le = self._load(layer)
         for e in sorted({0, le.num_experts - 1}):
             got = reference.dequantize(unpack(le.w13.expert(e)))
-            want = reference.to_numpy_f32(mod.gate_up_proj[e])
+            want = reference.to_numpy_f32(gate_up[e])
             err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
             if err > _SAME_WEIGHTS_RTOL[self.config.scheme]:
                 raise WeightFormatError(

@@ -4,7 +4,8 @@ Steps (each shows progress when it takes more than a second):
 1. build (first run only) a Qwen3-MoE-like random model + offline-trained tokenizer in HF format
    under ``<cache_dir>/demo``;
 2. convert its experts to the kt weight format (first run only per scheme);
-3. load it twice: plain transformers (fp32, the reference) and with the experts on kt;
+3. load it twice: plain transformers (fp32, the reference) and with the experts on kt
+   (``load_model``: kt's experts from the weight directory, the checkpoint's never read);
 4. compile kt's kernels for this CPU (first run only; cached on disk);
 5. compare logits (KL, max |dlogit|, greedy tokens) on the prompt and two random ones;
 6. generate with kt, streaming, and print decode tokens/s (transformers' too, for scale).
@@ -106,9 +107,9 @@ def run_demo(*, scheme: str = "int8", prompt: str = "Once upon a time there was 
 
     from ..config import QuantScheme
     from ._compat import require_transformers
-    from ._patch import PatchConfig, patch_model
+    from ._patch import PatchConfig
     from .accuracy import compare_models, kl_bound, random_prompts
-    from .run import generate
+    from .run import generate, load_model
 
     out = out or sys.stdout
     say = lambda s="": print(s, file=out, flush=True)  # noqa: E731
@@ -131,18 +132,20 @@ def run_demo(*, scheme: str = "int8", prompt: str = "Once upon a time there was 
         convert(model_dir, weight_path, scheme=sch, group_size=64, progress=True)
         say(f"kt weights: {weight_path}")
 
-    with _working("loading the model twice (reference + kt)", out):
-        tok = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    with _working("loading the model twice (transformers as the reference, and with kt experts)", out):
         ref = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, local_files_only=True).eval()
-        kt_model = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, local_files_only=True).eval()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore" if backend == "reference" else "default")
-            patch_model(kt_model, PatchConfig(scheme=sch, threads=threads, weight_path=weight_path,
-                                              backend=backend), progress=False)
+            # the kt model never holds the checkpoint's experts: kt's come from the weight directory
+            kt_model, tok = load_model(model_dir, PatchConfig(scheme=sch, threads=threads,
+                                                              weight_path=weight_path, backend=backend),
+                                       device="cpu", dtype="fp32", progress=False)
     experts = kt_model.model.layers[0].mlp.experts
-    say(f"experts: {experts.moe!r}")
+    info = kt_model.kt_load
+    say(f"experts: {experts.moe!r}, from the {info.experts_from}; {len(info.tensors_read)} "
+        f"non-expert tensors read from the checkpoint ({info.bytes_read / 1e6:.1f} MB) in "
+        f"{info.seconds:.1f} s")
 
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     with _working("warming up kt (kernels compile on first use)", out), torch.no_grad():

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ._compat import require_transformers
-from ._patch import PatchConfig, patch_model
+from ._patch import PatchConfig
 from .families import family_of
 
 __all__ = ["load_model", "generate", "chat", "GenerationStats", "resolve_device", "resolve_dtype"]
@@ -50,24 +50,49 @@ def _check_model_dir(model_dir) -> Path:
 
 def load_model(model_dir, patch: PatchConfig | None = PatchConfig(), *, device="auto",
                dtype="auto", progress: bool = True):
-    """(model, tokenizer) from a local HF directory, with the experts patched onto kt.
+    """(model, tokenizer) from a local HF directory, with the experts on kt; the checkpoint's
+    experts are never materialised.
 
-    The model is read on the CPU, its experts are handed to kt (and freed), and only then are the
-    remaining (non-expert) weights moved to ``device`` ("auto": the GPU if there is one), so
-    the experts never have to fit in GPU memory. ``patch=None`` loads plain transformers.
+    The model is built with its parameters on the meta device; each MoE layer gets its kt
+    experts first, from ``patch.weight_path`` (a kt weight directory, memory-mapped) or
+    converted from the checkpoint's expert tensors one layer at a time; then only the
+    non-expert tensors are read from the safetensors files, straight to ``device`` ("auto": the
+    GPU if there is one). FP8 block-scaled checkpoints (``weight_scale_inv``) are dequantised to
+    ``dtype`` as they are read. ``patch=None`` loads plain transformers (``from_pretrained``).
+
+    Peak host memory while loading (docs/loading.md; measured in tests/hf/test_load_memory.py)::
+
+        peak - baseline <= W_ne + S_max + X (+ a few MB of allocator slack)
+
+    W_ne: the non-expert weights in ``dtype`` (0 on the host when ``device`` is a GPU);
+    S_max: one staging copy of the largest non-expert tensor, needed only when its stored dtype
+    differs from ``dtype`` or it goes to a GPU (FP8: its bytes + 4 bytes per element);
+    X: with a kt weight directory, ~0 at load (its files are mapped; the pages the experts use
+    become resident as they run, as shared, reclaimable page cache); converting from the
+    checkpoint, K + one layer's expert bytes as stored (mapped while that layer converts),
+    K being the kt experts of every layer in the scheme (INT8 ~ 3 E I H bytes per layer, INT4
+    ~ half that, BF16 ~ twice), which stay in memory as the model's experts.
+    The old path (``from_pretrained`` then ``patch_model``) holds W_ne + W_experts(dtype) with the
+    checkpoint file mapped besides: about twice the checkpoint (measured on a 2.6 GB checkpoint:
+    5.2 GB, where this loader took 0.35 GB with a kt weight directory and 1.8 GB converting).
+
+    Errors before any weight is read: an unknown architecture, a checkpoint missing a
+    non-expert tensor or holding one of the wrong shape (SourceError naming the file and
+    tensor), a kt weight directory for another model (WeightFormatError naming its manifest).
     """
     transformers = require_transformers()
     path = _check_model_dir(model_dir)
     cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    if patch is not None:
-        family_of(getattr(cfg, "model_type", None))  # fail before reading any weights
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True)
-    model.eval()
-    if patch is not None:
-        patch_model(model, patch, progress=progress, device=dev)
-    model.to(dev)
+    if patch is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True)
+        model.eval().to(dev)
+    else:
+        family_of(getattr(cfg, "model_type", None))  # fail before reading anything else
+        from ._loader import load_checkpoint
+
+        model = load_checkpoint(path, patch, device=dev, dtype=dt, progress=progress)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer
 

@@ -24,6 +24,9 @@ def test_demo_from_nothing(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "building the demo model" in out
+    # the kt model comes through load_model: kt experts from the weight directory, only the
+    # non-expert tensors of the checkpoint read
+    assert "from the kt weight directory; 39 non-expert tensors read from the checkpoint" in out
     assert "PASS" in out and "greedy 16/16 tokens identical" in out
     assert "decode" in out and "tok/s" in out
     from kt.hf.demo import build_demo_model, demo_model_dir
