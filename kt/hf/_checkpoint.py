@@ -28,12 +28,6 @@ from ..weights._sources import HFSource, SourceError
 
 __all__ = ["Checkpoint", "TensorRef", "pread_into", "open_expert_source", "source_family"]
 
-# Checkpoint layouts of the kt.hf families the converter's table (kt.weights._sources) lacks.
-_EXTRA_SOURCE_FAMILIES = {
-    "olmoe": SourceFamily("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts",
-                          "intermediate_size"),
-}
-
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
                  "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
                  "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
@@ -43,33 +37,16 @@ _SCALE_SUFFIX = "_scale_inv"  # FP8 block scales: "<weight name>_scale_inv"
 
 def source_family(model_type: str) -> SourceFamily:
     """Where a family's checkpoint keeps its routed experts (block, projection names)."""
-    fam = SOURCE_FAMILIES.get(model_type) or _EXTRA_SOURCE_FAMILIES.get(model_type)
+    fam = SOURCE_FAMILIES.get(model_type)
     if fam is None:
         raise SourceError(f"kt does not know the checkpoint layout of model_type {model_type!r}")
     return fam
 
 
-class _FamilySource(HFSource):
-    """kt.weights' HF source reader for a family that its own table does not list."""
-
-    def __init__(self, root: Path, config: dict, family: SourceFamily):
-        self.root = Path(root)
-        self.config = config
-        self.model_type = config.get("model_type")
-        archs = config.get("architectures") or []
-        self.architecture = archs[0] if archs else None
-        self.family = family
-        self._open = {}
-        self._files = self._tensor_files()
-        self._index_tensors()
-
-
 def open_expert_source(root: Path, config: dict) -> HFSource:
     """kt.weights' reader of the checkpoint's routed experts (``.layer(L).matrices(e)``)."""
-    mt = config.get("model_type")
-    if mt in SOURCE_FAMILIES:
-        return HFSource(root)
-    return _FamilySource(root, config, source_family(mt))
+    source_family(config.get("model_type"))
+    return HFSource(root)
 
 
 def pread_into(path: Path, offset: int, buf: memoryview) -> None:
@@ -155,13 +132,11 @@ class Checkpoint:
     def _index_file(self, fname: str, num_layers: int | None) -> None:
         path = self.root / fname
         try:
-            header, data_start, size = read_header(path)
+            header, _meta, data_start, size = read_header(path)
         except SafetensorsError as exc:
             raise SourceError(str(exc)) from None
         self.files[fname] = size
         for name, info in header.items():
-            if name == "__metadata__":
-                continue
             m = self._expert_re.search(name)
             if m is not None:
                 L = int(m.group(1))

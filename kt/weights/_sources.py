@@ -65,6 +65,8 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v2": _DS,
     "deepseek_v3": _DS,
     "kimi_k2": _DS,
+    "olmoe": Family("mlp", ("gate_proj", "up_proj", "down_proj"), ("num_experts",), "intermediate_size",
+                    "all"),
 }
 
 _FP8_DTYPES = ("F8_E4M3",)

@@ -105,7 +105,7 @@ def _expert_bytes(ckpt, layer: int):
 
     names = set(ckpt.experts[layer])
     for fname in ckpt.files:
-        header, _, _ = read_header(Path(ckpt.root) / fname)
+        header, _, _, _ = read_header(Path(ckpt.root) / fname)
         for name, info in header.items():
             if name in names:
                 b0, b1 = info["data_offsets"]

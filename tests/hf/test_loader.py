@@ -116,7 +116,7 @@ class _ReadLog:
         root = root.resolve()
         spans = {}
         for f in root.glob("*.safetensors"):
-            header, start, _ = read_header(f)
+            header, _, start, _ = read_header(f)
             spans[f] = [(start + b0, start + b1, n) for n, info in header.items() if n != "__metadata__"
                         for b0, b1 in [info["data_offsets"]]]
         real_pread, real_get = _checkpoint.pread_into, SafetensorsFile.get
@@ -159,7 +159,7 @@ def test_kt_weight_dir_reads_no_expert_tensor(ckpts, tmp_path, monkeypatch):
     new, _ = load_model(src, PatchConfig(scheme="int8", weight_path=w8), device="cpu", dtype="fp32",
                         progress=False)
     monkeypatch.undo()
-    header, _, _ = read_header(src / "model.safetensors")
+    header, _, _, _ = read_header(src / "model.safetensors")
     names = [n for n in header if n != "__metadata__"]
     experts = {n for n in names if _is_routed_expert(n)}
     assert len(experts) == 2 * 16 * 3  # the guard knows what to look for
