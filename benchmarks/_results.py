@@ -106,6 +106,15 @@ def _commit() -> str | None:
         return None
 
 
+def _default(o):
+    """JSON for numpy scalars and arrays; anything else as its str."""
+    if hasattr(o, "item") and getattr(o, "ndim", 1) == 0:
+        return o.item()
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)
+
+
 def meta(benchmark: str, machine: str | None = None) -> dict:
     return {"benchmark": benchmark, "machine": machine or machine_name(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -122,7 +131,7 @@ def write_result(folder, benchmark: str, data: dict, machine: str | None = None)
     doc.update((k, v) for k, v in data.items() if k != "meta")
     path = folder / f"{benchmark}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    tmp.write_text(json.dumps(doc, indent=1, default=_default) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -1,9 +1,9 @@
-"""The model of benchmarks/bench_e2e.py: a Qwen3-30B-A3B-shaped MoE as a minimal torch forward.
+"""A Qwen3-30B-A3B-shaped MoE model as a minimal torch forward, experts pluggable (benchmarks/bench_e2e.py).
 
 Legend: L layers, E experts, K top-k, H hidden, I expert intermediate, B batch, T tokens, V vocab.
 
-Not transformers: building the real Qwen3MoE module at 48 x 128 experts with random weights takes
-longer than the device time we have, so the forward is written out here, with Qwen3-MoE's math:
+Not transformers: building transformers' Qwen3MoE module at 48 x 128 experts with random weights
+takes minutes of initialisation alone, so the forward is written out here, with Qwen3-MoE's math:
 embedding; per layer RMSNorm -> attention (q/k/v/o projections, RMSNorm on each q and k head,
 rotary embedding, grouped-query attention through ``scaled_dot_product_attention`` over a static
 KV cache) -> residual -> RMSNorm -> router (linear, softmax in fp32, top-K, renormalised) ->
