@@ -134,6 +134,10 @@ def replot(path: str, out_dir: str) -> dict:
 
 
 def _finish_args(args) -> None:
+    """Defaults that depend on --dry-run, lists parsed, names checked (ValueError says what is wrong)."""
+    if getattr(args, "finished", False):
+        return
+    args.finished = True
     dry = args.dry_run
     args.prompt_tokens = args.prompt_tokens or (16 if dry else 512)
     args.new_tokens = args.new_tokens or (6 if dry else 256)
@@ -255,13 +259,18 @@ def run(args, cpu_kernels: dict | None = None) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     args.t0 = _T_START  # imports (torch, triton) count against the budget too
     if args.replot:
         if not args.report_dir:
             raise SystemExit("bench_e2e: --replot needs --report-dir (where e2e.md and the plots go)")
         replot(args.replot, args.report_dir)
         return 0
+    try:
+        _finish_args(args)
+    except ValueError as e:
+        ap.error(str(e))
     data = run(args)
     bad = [e["name"] for e in data["configs"] if e.get("status") == "error"]
     if bad:
