@@ -1,4 +1,4 @@
-"""Configuration names, the issue's targets, the markdown table and the plots of bench_e2e.py.
+"""Configuration names, the targets it checks, the markdown table and the plots of bench_e2e.py.
 
 Pure functions of the results document (``e2e.json``); matplotlib is imported only to draw.
 """
@@ -54,7 +54,7 @@ def _decode_cell(e, b):
 
 
 def checks(data: dict) -> dict:
-    """The issue's targets, computed from whatever configurations ran (None where one is missing)."""
+    """The targets, computed from whatever configurations ran (None where one is missing)."""
     by = {e["name"]: e for e in data["configs"] if e.get("status") in ("ok", "partial")}
     out = {}
     for routing in ("uniform", "skewed"):
@@ -159,7 +159,7 @@ def markdown(data: dict) -> str:
                                                        else 100 * fit["target_top25pct_share"], ".0f") + " %"))
     chk = checks(data)
     if chk:
-        lines += ["", "Targets (from the issue), as measured:", ""]
+        lines += ["", "Targets, as measured:", ""]
         for k, v in chk.items():
             lines.append(f"- {k}: " + ", ".join(f"{kk}={fmt(vv, '.3g') if isinstance(vv, float) else vv}"
                                                for kk, vv in v.items()))

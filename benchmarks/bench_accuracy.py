@@ -9,20 +9,21 @@ the patched model keeps everything fp32 except the routed experts, which run thr
     python benchmarks/bench_accuracy.py --seeds 0 1 2    # spread over random models
     python benchmarks/bench_accuracy.py --backend reference
 
-Writes benchmarks/results/accuracy.json and accuracy.md.
+Writes benchmarks/results/<machine>/accuracy.json (see _results.py) and prints the table.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
 import sys
 import time
 import warnings
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import add_out_arguments, out_dir, write_result  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])
     ap.add_argument("--backend", default="kt", choices=["kt", "reference"])
     ap.add_argument("--greedy-steps", type=int, default=16)
-    ap.add_argument("--out", default=str(RESULTS / "accuracy"))
+    add_out_arguments(ap)
     args = ap.parse_args(argv)
 
     import torch
@@ -80,12 +81,10 @@ def main(argv=None) -> int:
             del ref
     meta = {"kt_version": kt.__version__, "transformers": transformers.__version__,
             "torch": torch.__version__, "cpu_variant": kt.cpu_variant(), "backend": args.backend,
-            "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
+            "cpu": platform.processor() or platform.machine(),
             "prompts": "3 random prompts x 24 tokens per model", "reference": "unpatched fp32 model",
             "group_size_int4": 64, "seconds": round(time.perf_counter() - t_all, 1)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    path = write_result(out_dir(args), "accuracy", {"meta": meta, "rows": rows}, args.machine)
     lines = [
         "# kt-patched HF MoE models vs unpatched transformers",
         "",
@@ -106,8 +105,8 @@ def main(argv=None) -> int:
                      f"{'' if r['greedy_tie_gap'] is None else format(r['greedy_tie_gap'], '.1e')} | "
                      f"{r['kl_bound']:g} | {'pass' if r['pass'] else '**FAIL**'} |")
     lines += ["", f"{sum(r['pass'] for r in rows)}/{len(rows)} within bounds; run took {meta['seconds']} s."]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    print("\n".join(lines))
+    print(f"wrote {path}")
     return 0 if all(r["pass"] for r in rows) else 1
 
 

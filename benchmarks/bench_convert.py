@@ -11,8 +11,8 @@ Load: ``kt.weights.load_experts`` of the converted layer with its page cache war
 one read pass over every byte (an OR-reduction over uint64 words), and the default
 ``verify=True`` (the checksum reads every byte). GB/s counts converted-file bytes.
 
-    python benchmarks/bench_convert.py              # writes benchmarks/results/convert.{json,md}
-    python benchmarks/bench_convert.py --quick      # E=16, for a smoke run
+    python benchmarks/bench_convert.py              # writes benchmarks/results/<machine>/convert.json
+    python benchmarks/bench_convert.py --quick      # E=16, for a smoke run (written only with --out)
 """
 from __future__ import annotations
 
@@ -21,13 +21,16 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import add_out_arguments, out_dir, write_result  # noqa: E402
 
 
 def make_source(root: Path, E: int, H: int, I: int) -> Path:
@@ -87,12 +90,13 @@ def best_of(fn, reps: int, cpu: bool = False, setup=None):
     return (min(ts), min(cs)) if cpu else min(ts)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args()
+    add_out_arguments(ap)
+    args = ap.parse_args(argv)
     from kt.weights import convert, load_experts
     from kt.weights._format import file_checksum
 
@@ -136,13 +140,11 @@ def main() -> None:
             print(json.dumps(rows[-1]))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    meta = {"machine": platform.processor() or platform.machine(), "cpus": len(os.sched_getaffinity(0)),
+    meta = {"cpu": platform.processor() or platform.machine(), "cpus": len(os.sched_getaffinity(0)),
             "load_average_1min_at_end": os.getloadavg()[0],
-            "note": "2-core development machine shared with other jobs; best of "
-                    f"{args.reps}; page cache warm; no fsync", "quick": args.quick}
-    RESULTS.mkdir(exist_ok=True)
-    name = "convert_quick" if args.quick else "convert"
-    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            "note": f"best of {args.reps}; page cache warm; no fsync", "quick": args.quick}
+    if not args.quick or args.out:
+        print(f"wrote {write_result(out_dir(args), 'convert', {'meta': meta, 'rows': rows}, args.machine)}")
     lines = [f"# kt convert: qwen3-30b-a3b-shaped layer (E={E}, H={H}, I={I}), bf16 safetensors -> kt",
              "", f"{meta['note']}; {args.threads} threads; 1-minute load average at the end "
              f"{meta['load_average_1min_at_end']:.1f} on {meta['cpus']} CPUs.", "",
@@ -161,9 +163,9 @@ def main() -> None:
               "uncontended core converts; wall-clock figures depend on how busy the shared machine was.",
               "", "Targets: convert >= 1.5 GB/s of bf16 input on 2 cores (kt-kernel's online "
               "conversion ~1.2 GB/s with 2 threads); load >= 5 GB/s (page cache warm)."]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,13 +10,14 @@ Measures, in one process, interleaving kernels so machine noise hits them alike:
   >= 256 MB (> 2x the 32 MiB L3); larger M reuses one copy (compute-bound);
 - first-call compile time of the host variant's kernels and their cached load time in a new process.
 
-Writes benchmarks/results/gemm.json and gemm.md. Usage:
-    python benchmarks/bench_gemm.py [--reps 5] [--quick]
+Writes benchmarks/results/<machine>/gemm.json (see _results.py) and prints the table. Usage:
+    python benchmarks/bench_gemm.py [--reps 5] [--quick] [--schemes int8,int4,bf16]
+The tile peaks (zero and random tiles) are measured in the same process: an AMX core's rate moves
+from minute to minute, so a GEMM's fraction of its peak is read against the peak of its own run.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -28,13 +29,15 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from kt.config import QuantScheme
-from kt.cpu_ops import gemm, isa, packing, registry, tiling
-from kt.cpu_ops._simd import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import add_out_arguments, out_dir, write_result  # noqa: E402
+from kt.config import QuantScheme  # noqa: E402
+from kt.cpu_ops import gemm, isa, packing, registry, tiling  # noqa: E402
+from kt.cpu_ops._simd import (  # noqa: E402
     bcast4_i32x8, bcast4_i32x16, dpbf16ps512, load_i32x16, pmaddubsw256, pmaddwd256, splat_f32x16, splat_f32x8,
     prefetch_l2, splat_i16x16, splat_i32x16, splat_i32x8, store, vadd, vfma, vor, vpdpbusd512)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(1536, 2048), (2048, 768)]
 MS = [1, 32, 512, 2048]
 POOL_BYTES = 256 << 20
@@ -199,9 +202,8 @@ def all_thread_bandwidth(threads: int, gib: float = 4.0, detail: dict | None = N
     ``gib`` GiB buffer in one nogil call (4 MiB pieces, 4 streams each), without and with a
     software L2 prefetch ``BW_PREFETCH`` bytes ahead; total bytes / wall time, the best of 3
     passes of each, and the best of those (the roofline is the fastest read found: a slower one
-    would let a kernel read "above the bandwidth"). Until session 23 each thread called the
-    kernel once per piece (taking the GIL between pieces) and never prefetched. ``detail`` gets
-    the best figure per prefetch distance."""
+    would let a kernel read "above the bandwidth"; one call per thread, so no GIL between
+    pieces). ``detail`` gets the best figure per prefetch distance."""
     buf = np.ones(int(gib * (1 << 30)), np.uint8)
     sl = len(buf) // threads // (4 << 20) * (4 << 20)
     best = 0.0
@@ -332,16 +334,14 @@ def huge_empty(shape, dtype) -> np.ndarray:
     """An array in its own private anonymous mapping, 2 MiB-aligned, with transparent huge pages
     asked for (madvise; Linux with THP in "madvise" or "always" mode): what a layer's stacked
     weights get, since NumPy asks for huge pages on arrays from 4 MiB. A single matrix of a few MB
-    otherwise sits in 4 KiB pages wherever the allocator put it. Session 17 measured the one-core
-    AMX GEMM at M=512 1.3-1.4x faster in these buffers (amx_hugepage_probe.py), but they were
-    shared mappings then and got no huge pages (session 19): the gain came from the fresh aligned
-    mapping; in real huge pages the GEMM reads the same."""
+    otherwise sits in 4 KiB pages wherever the allocator put it, and the one-core AMX GEMM at
+    M=512 read 1.3-1.4x faster in a fresh 2 MiB-aligned mapping than in a NumPy allocation
+    (docs/decisions.md); huge pages themselves change nothing beyond that."""
     import mmap
 
     n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     # private: Python's anonymous mmap is MAP_SHARED by default, i.e. shmem, which gets huge pages
-    # only under /sys/kernel/mm/transparent_hugepage/shmem_enabled ("never" on the dev machine:
-    # before session 19 these buffers were 2 MiB-aligned 4 KiB pages)
+    # only under /sys/kernel/mm/transparent_hugepage/shmem_enabled ("never" on the hosts seen)
     mm = mmap.mmap(-1, n + (4 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = np.frombuffer(mm, np.uint8)  # (holds the mapping for as long as the array lives)
     off = -base.ctypes.data % (2 << 20)
@@ -359,7 +359,7 @@ def time_case(scheme, kvariants, m, n, d, reps, rng) -> list[dict]:
     # The copies live in one arena, as a stacked expert tensor does (p.expert(e) views): separate
     # small numpy allocations read ~20 % slower here (page-boundary effects), which a real
     # weight store does not have. The arena and the output are in huge pages, as the layer's
-    # stacked weights and workspaces are (huge_empty; session 17: 1.3-1.4x at M=512 on AMX).
+    # stacked weights and workspaces are (huge_empty).
     arena = [huge_empty((copies,) + a.shape, a.dtype) for a in (p0.data, p0.scale, p0.wsum)]
     for a, src in zip(arena, (p0.data, p0.scale, p0.wsum)):
         a[:] = src
@@ -392,7 +392,7 @@ def time_case(scheme, kvariants, m, n, d, reps, rng) -> list[dict]:
             if not cold:
                 # untimed calls first, at least 3 ms of them: a warm AMX GEMM right after the other
                 # variants' (tens of ms of AVX-512 / AVX2 work) took 1.7x as long as one after
-                # itself (M=512, session 19; one untimed call left 1.1x), a switching cost the MoE
+                # itself (M=512; one untimed call left 1.1x), a switching cost the MoE
                 # layer, whose threads stay on one kernel family, does not pay
                 w0 = time.perf_counter()
                 while True:
@@ -450,7 +450,7 @@ def compile_times() -> dict:
     return res
 
 
-def write_md(res: dict, path: Path) -> None:
+def markdown(res: dict) -> str:
     bw = res["bandwidth"]
     lines = ["# CPU GEMM kernels (one thread)", "",
              f"Host: {res['host']}; variants runnable: {', '.join(res['variants'])}.", "",
@@ -482,7 +482,7 @@ def write_md(res: dict, path: Path) -> None:
                       f"prep): first call {c['first_call_s']} s; cached, new process "
                       f"{c['cached_new_process_s']} s ({c['cached_new_process_incl_imports_s']} s "
                       "including imports)."]
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -491,7 +491,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="M in {1, 32} and one shape only")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--schemes", default="int8,int4,bf16")
-    ap.add_argument("--out", default=str(RESULTS / "gemm"), help="results path without suffix (.json, .md)")
+    add_out_arguments(ap)
     args = ap.parse_args(argv)
     variants = [v for v in isa.runnable_variants()]
     import llvmlite.binding as llvm
@@ -540,10 +540,9 @@ def main(argv=None) -> int:
     if not args.no_compile:
         res["compile"] = compile_times()
         print("compile", res["compile"])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    write_md(res, out.with_suffix(".md"))
+    path = write_result(out_dir(args), "gemm", res, args.machine)
+    print(markdown(res))
+    print(f"wrote {path}")
     return 0
 
 

@@ -1,7 +1,9 @@
-"""HybridMoE on the GPU machine: overlap of the CPU and GPU parts, CUDA graphs, layer-wise prefill.
+"""HybridMoE on a GPU host: overlap of the CPU and GPU parts, CUDA graphs, layer-wise prefill.
 
-Run on the device (one H200 + 16 cores), from the repo root:
-    PYTHONPATH=. python3 benchmarks/bench_hybrid.py --out $OUT
+From the repository root of a GPU host (kt need not be installed; leave two cores to the
+launching and the stream service threads: --threads cores - 2):
+    PYTHONPATH=. python3 benchmarks/bench_hybrid.py --threads 14 --sections graph_overlap,eager_graphs
+Writes benchmarks/results/<machine>/hybrid.json (see _results.py), rewritten after each section.
 
 Sections (each independent; a failure is recorded and the script goes on):
   correctness  HybridMoE (25 % GPU) vs the fp32 reference of the same quantised weights
@@ -26,18 +28,22 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _results import add_out_arguments, out_dir, write_result  # noqa: E402
 from kt import reference as ref  # noqa: E402
 from kt.cpu_ops.moe import CPUMoE  # noqa: E402
 from kt.cpu_ops.pool import CpuPool  # noqa: E402
 from kt.hybrid import HybridMoE  # noqa: E402
 
 E, K, H, I = 128, 8, 2048, 768
+SECTIONS = ("correctness", "overlap", "graph_overlap", "eager_graphs", "graph", "concurrency", "prefill")
 
 
 def routing(t, e, k, gen, device):
@@ -271,41 +277,6 @@ def section_graph_overlap(cpu, dev, res, reps):
     res["graph_overlap"] = rows
 
 
-def section_switch(cpu, dev, res, reps):
-    """Eager decode-sized calls under several GIL switch intervals (sys.setswitchinterval): the
-    stream service thread needs the GIL to start the CPU part while the launching thread holds
-    it, so the interval bounds how late the CPU part starts."""
-    import sys
-
-    gen = torch.Generator().manual_seed(5)
-    old = sys.getswitchinterval()
-    cases = []
-    for frac in (0.25, 0.5, 1.0):
-        row = placement_row(frac, E, 2)
-        layer = HybridMoE(cpu, row, device=dev)
-        for t in (1, 8):
-            x = (torch.randn(t, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
-            ids, w = routing(t, E, K, gen, dev)
-            xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
-            mask = row >= 0
-            cpu_alone = timed(lambda: cpu(xc, ic, wc, gpu_mask=mask), 2 * reps)
-            cases.append((frac, t, layer, x, ids, w, cpu_alone[0]))
-    rows = []
-    try:
-        for si in (5e-3, 1e-3, 2e-4, 5e-5):
-            sys.setswitchinterval(si)
-            for frac, t, layer, x, ids, w, cpu_t in cases:
-                hyb = timed(lambda: layer(x, ids, w), 2 * reps)
-                rows.append(dict(switch_interval_s=si, gpu_frac=frac, T=t,
-                                 hybrid_min_ms=hyb[0] * 1e3, hybrid_med_ms=hyb[1] * 1e3,
-                                 cpu_alone_min_ms=cpu_t * 1e3))
-                print(f"switch {si:g} frac={frac:.2f} T={t}: hybrid {hyb[0] * 1e3:.3f} ms (med "
-                      f"{hyb[1] * 1e3:.3f})  cpu alone {cpu_t * 1e3:.3f}", flush=True)
-    finally:
-        sys.setswitchinterval(old)
-    res["switch"] = rows
-
-
 def section_graph(cpu, dev, res):
     from kt._stream_bridge import GraphRunner
     from kt.hybrid import DeferredChain
@@ -426,46 +397,21 @@ def section_prefill(cpu, dev, res, reps):
     print("prefill", res["prefill"], flush=True)
 
 
-def section_eager_profile(cpu, dev, res, calls=300):
-    """Where an eager decode-sized layer call spends host time: cProfile of the enqueueing thread
-    over `calls` calls (a host sync after each, outside the profile), per GPU share at T=1."""
-    import cProfile
-    import io
-    import pstats
-
-    gen = torch.Generator().manual_seed(3)
-    out = {}
-    for frac in (0.0, 0.25, 1.0):
-        layer = HybridMoE(cpu, placement_row(frac, E, 2), device=dev)
-        x = (torch.randn(1, H, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
-        ids, w = routing(1, E, K, gen, dev)
-        for _ in range(5):
-            layer(x, ids, w)
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        for _ in range(calls):
-            prof.enable()
-            layer(x, ids, w)
-            prof.disable()
-            torch.cuda.synchronize()
-        buf = io.StringIO()
-        st = pstats.Stats(prof, stream=buf)
-        st.sort_stats("tottime").print_stats(22)
-        st.sort_stats("cumulative").print_stats(22)
-        out[str(frac)] = buf.getvalue()
-        print(f"--- eager profile, GPU share {frac}, T=1, {calls} calls\n{buf.getvalue()}", flush=True)
-    res["eager_profile"] = out
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_out_arguments(ap)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--overlap-T", default="1,8,64,512,4096", help="T values of the overlap section")
-    ap.add_argument("--sections", default="correctness,graph,concurrency,prefill,overlap")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    ap.add_argument("--sections", default="correctness,graph,concurrency,prefill,overlap",
+                    help=f"comma list of {','.join(SECTIONS)}")
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.sections.split(",") if n not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown}; known: {list(SECTIONS)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_hybrid: no CUDA device (tests/test_hybrid.py covers the all-CPU placements)")
+    folder = out_dir(args)
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(0), "threads": args.threads, "shape": dict(E=E, K=K, H=H, I=I),
            "scheme": "int8", "errors": {}}
@@ -485,8 +431,6 @@ def main():
                                                  tuple(int(v) for v in args.overlap_T.split(","))),
               "graph_overlap": lambda: section_graph_overlap(cpu, dev, res, args.reps),
               "eager_graphs": lambda: section_eager_graphs(cpu, dev, res, args.reps),
-              "switch": lambda: section_switch(cpu, dev, res, args.reps),
-              "eager_profile": lambda: section_eager_profile(cpu, dev, res),
               "graph": lambda: section_graph(cpu, dev, res),
               "concurrency": lambda: section_concurrency(cpu, dev, res),
               "prefill": lambda: section_prefill(cpu, dev, res, max(3, args.reps // 3))}[name]
@@ -495,10 +439,11 @@ def main():
         except Exception:
             res["errors"][name] = traceback.format_exc()
             print(res["errors"][name], flush=True)
-        with open(os.path.join(args.out, "hybrid.json"), "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        path = write_result(folder, "hybrid", res, args.machine)
     print(json.dumps({k: v for k, v in res.items() if k != "errors"}, default=str)[:3000])
+    print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,7 +12,7 @@ For each shape x scheme x thread count x T, in one process:
   as GPU experts (nothing computed);
 - baselines: ``--baseline torch`` (the naive per-expert bf16 loop transformers runs, cold copies
   too), ``--baseline kt-kernel``: kt-kernel 0.7.2 on the same shapes, schemes and T with the largest
-  thread count, in a subprocess (``baseline_ktkernel.py --side ktkernel``: its extension driven
+  thread count, in a subprocess (``_ktkernel.py --side ktkernel``: its extension driven
   directly, its own cold copies and fresh routing), where its extension is found (``--ktk DIR``:
   a folder holding ``kt_kernel/_kt_kernel_ext_amx.*.so`` and ``kt_kernel.libs/``, default ``.ktk``
   or an installed kt_kernel; ``--ktk-python``: the interpreter to run it with, which must import
@@ -20,11 +20,11 @@ For each shape x scheme x thread count x T, in one process:
 - bandwidth for the floor: one and two threads (bench_gemm.measure_bandwidth), and for every larger
   thread count asked for, that many threads reading a 4 GiB buffer (bench_gemm.all_thread_bandwidth).
 
-Writes benchmarks/results/moe.json and moe.md (or --out). This machine (2 cores, brief):
+Shapes are names (``--shapes qwen3-30b-a3b,mixtral-8x7b``); ``--add-shape NAME=E,K,H,I`` names
+another layer. Writes benchmarks/results/<machine>/moe.json (see _results.py) and prints the table:
     python benchmarks/bench_moe.py --shapes qwen3-30b-a3b --T 1,512 --threads 1,2 --baseline torch
-Device (16 cores, via the device tool; kt is not installed there, so PYTHONPATH=.):
-    PYTHONPATH=. python3 benchmarks/bench_moe.py --shapes qwen3-30b-a3b,deepseek-v2-lite \\
-        --T 1,4,32,512,2048 --threads 1,4,8,16 --pool-gb 6 --baseline torch --out $OUT/moe_device
+    PYTHONPATH=. python3 benchmarks/bench_moe.py --T 1,32,512,2048 --threads 1,4,8,16 --pool-gb 6 \\
+        --baseline torch --baseline kt-kernel --ktk .ktk          (a 16-core host, kt not installed)
 """
 from __future__ import annotations
 
@@ -43,18 +43,38 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _results import add_out_arguments, out_dir, write_result  # noqa: E402
+from bench_gemm import all_thread_bandwidth, measure_bandwidth, measure_peaks, peak_for  # noqa: E402
 from kt.config import QuantScheme  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
 from kt.cpu_ops.moe import CPUMoE, _pack_stack  # noqa: E402
 from kt.cpu_ops.packing import PackedWeight  # noqa: E402
 from kt.cpu_ops.pool import CpuPool  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {  # E, K, H, I
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "deepseek-v2-lite": (64, 6, 2048, 1408),
     "mixtral-8x7b": (8, 2, 4096, 14336),
 }
+
+
+def add_shape(spec: str) -> str:
+    """``NAME=E,K,H,I`` added to SHAPES (another layer shape, for --add-shape); returns the name."""
+    name, _, dims = spec.partition("=")
+    try:
+        E, K, H, I = (int(v) for v in dims.split(","))
+    except ValueError:
+        raise ValueError(f"--add-shape {spec!r}: expected NAME=E,K,H,I (four integers)") from None
+    if not name or min(E, K, H, I) < 1 or K > E:
+        raise ValueError(f"--add-shape {spec!r}: expected a name and 1 <= K <= E, H >= 1, I >= 1")
+    SHAPES[name] = (E, K, H, I)
+    return name
+
+
+def check_shape(name: str) -> str:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)} (or --add-shape NAME=E,K,H,I)")
+    return name
 
 
 def _rand_expert(rng, n, d):
@@ -126,11 +146,11 @@ def find_ktkernel(root=None):
 
 def ktkernel_baseline(shape_name, Ts, schemes, threads, root, rows, notes, python=None, script=None,
                       budget_s=600.0):
-    """kt-kernel on one shape in a subprocess (``baseline_ktkernel.py --side ktkernel``): appends its
+    """kt-kernel on one shape in a subprocess (``_ktkernel.py --side ktkernel``): appends its
     rows (impl "kt-kernel", with kt's speed-up against its best thread count when kt's rows are
     there) to ``rows`` and any error to ``notes``."""
     E, K, H, I = SHAPES[shape_name]
-    script = script or str(Path(__file__).resolve().parent / "baseline_ktkernel.py")
+    script = script or str(Path(__file__).resolve().parent / "_ktkernel.py")
     repo = str(Path(__file__).resolve().parent.parent)
     paths = [repo] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
@@ -144,7 +164,7 @@ def ktkernel_baseline(shape_name, Ts, schemes, threads, root, rows, notes, pytho
         except subprocess.TimeoutExpired:
             notes.append(f"kt-kernel baseline ({shape_name}): no result within {2 * budget_s + 300:.0f} s")
             return
-        path = Path(td, "ktkernel_vs_kt_ktkernel.json")
+        path = Path(td, "ktkernel.json")
         if not path.exists():
             notes.append(f"kt-kernel baseline ({shape_name}) failed (exit {proc.returncode}): "
                          f"{(proc.stderr or proc.stdout)[-600:]}")
@@ -176,8 +196,6 @@ def reps_for(T):
 
 
 def bench_kt(shape_name, scheme, threads_list, Ts, pool_bytes, bw, peaks, rows, pin):
-    from bench_gemm import peak_for
-
     E, K, H, I = SHAPES[shape_name]
     t0 = time.time()
     w13, w2 = build_layer(E, H, I, scheme)
@@ -277,7 +295,7 @@ def bench_torch(shape_name, threads_list, Ts, pool_bytes, bw, rows):
     torch.set_num_threads(old)
 
 
-def write_md(res, path):
+def markdown(res) -> str:
     lines = ["# CPU MoE layer (kt.CPUMoE)", "",
              f"Host: {res['host']['cpu']} ({res['host']['cpus']} CPUs), variant "
              f"{res['host']['variant']}. Measured bandwidth: " + ", ".join(
@@ -305,7 +323,7 @@ def write_md(res, path):
                          f"{r['masked_call_median_us']} | {h['min']} / {h['median']} / {h['p90']} |")
     for note in res.get("notes", []):
         lines += ["", note]
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
@@ -319,14 +337,16 @@ def main(argv=None):
     ap.add_argument("--pin", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--ktk", default=None, help="kt-kernel's extension folder (see --baseline kt-kernel)")
     ap.add_argument("--ktk-python", default=None, help="the interpreter for kt-kernel's run (default: this one)")
-    ap.add_argument("--out", default=str(RESULTS / "moe"))
+    ap.add_argument("--add-shape", action="append", default=[], metavar="NAME=E,K,H,I",
+                    help="another layer shape (experts, top-k, hidden, intermediate); repeatable")
+    add_out_arguments(ap)
     a = ap.parse_args(argv)
-    from bench_gemm import all_thread_bandwidth, measure_bandwidth, measure_peaks
-
-    shapes = [s for s in a.shapes.split(",") if s]
-    for s in shapes:
-        if s not in SHAPES:
-            ap.error(f"unknown shape {s!r}; known: {sorted(SHAPES)}")
+    try:
+        for spec in a.add_shape:
+            add_shape(spec)
+        shapes = [check_shape(s) for s in a.shapes.split(",") if s]
+    except ValueError as e:
+        ap.error(str(e))
     Ts = [int(t) for t in a.T.split(",")]
     threads = [int(t) for t in a.threads.split(",")]
     schemes = [QuantScheme.parse(s) for s in a.schemes.split(",")]
@@ -349,8 +369,7 @@ def main(argv=None):
         root = find_ktkernel(a.ktk)
         if root is None:
             notes.append("--baseline kt-kernel skipped: no kt-kernel extension found (pass --ktk DIR, "
-                         "see baseline_ktkernel.py); reference figures measured on the same machines "
-                         "are in ../shared/notes/kt-kernel.md.")
+                         "a folder holding kt_kernel/ and kt_kernel.libs/ from kt-kernel's wheel)")
             print(notes[-1])
         else:
             for s in shapes:
@@ -359,11 +378,9 @@ def main(argv=None):
     res = {"host": {"cpu": platform.processor() or isa.detect().host.model_name,
                     "cpus": len(os.sched_getaffinity(0)), "variant": isa.cpu_variant()},
            "bandwidth": bw, "peaks": peaks, "pool_gb": a.pool_gb, "rows": rows, "notes": notes}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    write_md(res, out.with_suffix(".md"))
-    print(f"wrote {out.with_suffix('.json')} and .md")
+    path = write_result(out_dir(a), "moe", res, a.machine)
+    print(markdown(res))
+    print(f"wrote {path}")
     return 0
 
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""How close any kernel can come to issue 6's "T <= 64 at >= 60 % of HBM bandwidth" at decode T.
+"""How close any kernel can come to the HBM bandwidth at decode T (T <= 64), beside kt's fused_moe.
 
-For the shapes, slot maps and routing of bench_gpu.py (bf16 and int8 weights, T in 1, 2, 7, 64), each
+At decode sizes the GPU experts read a few to a few hundred MB, and a kernel's launch and first
+memory round trips are a large part of that: this measures the floor a single- or two-launch
+MoE kernel could reach for exactly the bytes fused_moe reads. For the shapes, slot maps and
+routing of bench_gpu.py (bf16 and int8 weights, T in 1, 2, 7, 64), each
 timed as a CUDA-graph replay with L2 flushed (triton's do_bench, as bench_gpu.py does), min and
 median of interleaved rounds:
 - empty: one launch of a kernel that does nothing: the timing method's own floor;
@@ -15,7 +18,9 @@ median of interleaved rounds:
 Fractions are of the HBM bandwidth measured in the same run (a 4 GiB device copy, read + written
 bytes, as bench_gpu.py) and of a 4 GiB read by the read kernel.
 
-    PYTHONPATH=. python3 benchmarks/gpu_decode_floor.py --out $OUT
+    PYTHONPATH=. python3 benchmarks/gpu_decode_floor.py           (a GPU host)
+    python3 benchmarks/gpu_decode_floor.py --dry-run --out /tmp/f     (interpreter: checks only)
+Writes benchmarks/results/<machine>/gpu_decode_floor.json (see _results.py; a dry run only with --out).
 """
 from __future__ import annotations
 
@@ -25,8 +30,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_gpu as B  # noqa: E402  (the shapes, weights, routing and graph capture)
-from _results import write_json  # noqa: E402
+import _gpu_cases as B  # noqa: E402  (the shapes, weights, routing and graph capture of bench_gpu.py)
+from _results import add_out_arguments, out_dir, write_result  # noqa: E402
 
 CHUNKS = (1024, 4096)  # int32 words per program (4 KiB, 16 KiB)
 DRY_CHUNKS = (128, 256)  # the dry run's tiny shape has 512-word slot regions
@@ -110,7 +115,7 @@ def _read_fns(torch, read_kernel, w13w, w2w, S, touched, chunks, dev, keep, cvt)
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    add_out_arguments(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU under the Triton interpreter, no timings (checks the flow)")
@@ -153,7 +158,7 @@ def main(argv=None):
             w13w = wts["w13"].reshape(-1).view(torch.int32)
             w2w = wts["w2"].reshape(-1).view(torch.int32)
             nwords = (w13w.numel() + w2w.numel()) // sh["S"]
-            for t in (1, 2, 7, 64):
+            for t in ((1, 7) if dry else (1, 2, 7, 64)):
                 gx = torch.Generator(device=dev).manual_seed(3 + t)
                 x = torch.randn(t, sh["H"], device=dev, generator=gx).to(torch.bfloat16)
                 ids, w = B.make_routing(torch, sh, t, e2s, dev, 4 + t)
@@ -202,7 +207,8 @@ def main(argv=None):
                 del reps, fns, keep
             if not dry:
                 torch.cuda.empty_cache()
-    print(f"wrote {write_json(a.out, 'gpu_decode_floor.json', res)}")
+    if not dry or a.out:
+        print(f"wrote {write_result(out_dir(a), 'gpu_decode_floor', res, a.machine)}")
     bad = [c for c in res["cases"] if not c["fused_moe_correct"]]
     return 1 if bad else 0
 

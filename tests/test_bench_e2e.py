@@ -1,39 +1,25 @@
-"""benchmarks/bench_e2e.py --dry-run: the whole script on CPU tensors with a tiny model.
+"""The end-to-end model (kt.testing.e2e_model) and benchmarks/bench_e2e.py --dry-run.
 
-The device run (H200) cannot be tested here; this runs the same code path (weights made in the
-packed layout, calibration, frequency placement planning, TTFT, decode, floor and overlap
-measurements, long prefill, correctness vs the bf16 reference, JSON/markdown/plots, the budget)
-with every expert on the CPU, and checks the numbers it writes are complete and plausible.
+The device run (a GPU host) cannot be tested here; the dry run is the same code path (weights made
+in the packed layout, calibration, frequency placement planning, TTFT, decode, floor and overlap
+measurements, long prefill, correctness vs the bf16 reference, JSON/markdown/plots, the budget,
+the watchdog) with every expert on the CPU, run as a subprocess; the tests check that the numbers
+it writes are complete and plausible.
 """
-import json
-import os
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from kt import reference as ref
+from kt.config import QuantScheme
+from kt.cpu_ops import registry
+from kt.cpu_ops.packing import unpack
+from kt.testing.bench import benchmarks_present, read_result, run_benchmark
+from kt.testing.e2e_model import (TINY, DecodeState, DenseWeights, KVCache, LinePool, Model, TorchExperts,
+                                  make_expert_sets, random_packed)
 
-import bench_e2e  # noqa: E402
-from _e2e_model import LinePool, random_packed  # noqa: E402
-from kt import reference as ref  # noqa: E402
-from kt.config import QuantScheme  # noqa: E402
-from kt.cpu_ops import registry  # noqa: E402
-from kt.cpu_ops.packing import unpack  # noqa: E402
-
-
-def _kernels_for_host():
-    """The registry's kernels when it has some for this host, else the scalar contract kernels of
-    tests/cpu_ops/_moe_doubles.py (the MoE driver and everything above it are still real)."""
-    missing = [s for s in ("int8", "int4") if not registry.candidates("gemv", QuantScheme.parse(s))]
-    if not missing:
-        return None
-    sys.path.insert(0, os.path.join(ROOT, "tests", "cpu_ops"))
-    from _moe_doubles import DOUBLES
-
-    print(f"no registered CPU kernels for {missing} on this host: using the scalar test doubles")
-    return {s: DOUBLES[s] for s in missing}
+HOST_KERNELS = all(registry.candidates("gemv", QuantScheme.parse(s)) for s in ("int8", "int4"))
+needs_kernels = pytest.mark.skipif(not HOST_KERNELS, reason="no kt CPU kernels registered for this host's ISA")
+needs_script = pytest.mark.skipif(not benchmarks_present(), reason="needs the repository's benchmarks/ folder")
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme.INT8, QuantScheme.INT4])
@@ -44,7 +30,7 @@ def test_random_packed_is_a_valid_packed_weight(scheme):
     p = random_packed(LinePool(4096, 0), 3, 64, 128, scheme, 64, rng)
     for e in range(3):
         u = unpack(p.expert(e))
-        lo, hi = (-127, 127) if scheme is QuantScheme.INT8 else (-8, 7)
+        lo, hi = (-127, 127) if scheme is QuantScheme.INT8 else (-7, 7)  # INT4 as kt's quantiser writes it
         assert u.q.min() >= lo and u.q.max() <= hi
         if scheme is QuantScheme.INT8:
             np.testing.assert_array_equal(u.q.astype(np.int32).sum(axis=1), p.wsum[e])
@@ -55,6 +41,7 @@ def test_random_packed_is_a_valid_packed_weight(scheme):
         random_packed(LinePool(4096, 0), 1, 64, 96, scheme, 64, rng)
 
 
+@needs_kernels
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_generated_weights_run_through_cpumoe_as_the_reference(scheme):
     """CPUMoE on the generated packed weights (bf16 in and out, as the stream bridge calls it) vs
@@ -62,14 +49,11 @@ def test_generated_weights_run_through_cpumoe_as_the_reference(scheme):
     output (2^-9 relative per element), so the bound is 3e-3 (observed 1.6e-3..1.8e-3)."""
     import torch
 
-    from _e2e_model import TINY, make_expert_sets
     from kt.cpu_ops.moe import CPUMoE
-
     from kt.cpu_ops.packing import int4_has_minus8, int4_ratio_table
 
-    kern = (_kernels_for_host() or {}).get(scheme)
     w13, w2 = make_expert_sets(TINY, QuantScheme.parse(scheme), 1, seed=0, pool_lines=4096)[0]
-    moe = CPUMoE(w13, w2, kernels=kern)
+    moe = CPUMoE(w13, w2)
     # the arrays as a converted layer holds them: on 64-byte lines (the layer keeps them, no
     # copies), INT4 values in [-7, 7] and group scales of the ratio form (the AMX ratio kernels)
     assert moe.w13.data is w13.data and moe.w2.scale is w2.scale
@@ -93,8 +77,6 @@ def test_decode_step_matches_prefill():
     <= 7e-3 relative, bound 1.5e-2 (a wrong position or head mapping gives O(1))."""
     import torch
 
-    from _e2e_model import TINY, DecodeState, DenseWeights, KVCache, Model, TorchExperts, make_expert_sets
-
     torch.manual_seed(0)
     cfg = TINY
     sets = make_expert_sets(cfg, QuantScheme.INT8, 2, seed=0, pool_lines=4096)
@@ -114,28 +96,33 @@ def test_decode_step_matches_prefill():
         assert int(st.pos) == 12
 
 
-def test_config_names():
-    rc = bench_e2e.parse_config("gpu25_int8_skewed_d1")
-    assert (rc.gpu_pct, rc.scheme, rc.routing, rc.deferred) == (25, "int8", "skewed", 1)
-    assert bench_e2e.parse_config("gpu100_bf16_uniform").all_gpu
-    assert bench_e2e.parse_config("cpu0_int4_uniform_d0").gpu_pct == 0
+def _dry(tmp_path, *args, timeout=900):
+    return run_benchmark("bench_e2e.py", "--dry-run", "--out", str(tmp_path), *args, timeout=timeout)
+
+
+@needs_script
+@pytest.mark.subprocess
+def test_config_names_are_checked_before_anything_runs(tmp_path):
     for bad in ("gpu25_int8_zipf_d1", "gpu0_int8_uniform_d0", "gpu25_fp8_skewed_d0"):
-        with pytest.raises(ValueError):
-            bench_e2e.parse_config(bad)
-    for name in bench_e2e.DEFAULT_CONFIGS:
-        bench_e2e.parse_config(name)
+        r = _dry(tmp_path, "--configs", bad)
+        assert r.returncode == 2 and "error:" in r.stderr and bad in r.stderr, r.stderr[-800:]
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "e2e.json").exists()
 
 
+@needs_kernels
+@needs_script
+@pytest.mark.subprocess
 def test_dry_run_end_to_end(tmp_path):
-    out = tmp_path / "e2e"
+    out, report = tmp_path / "e2e", tmp_path / "report"
     configs = "gpu100_bf16_uniform,cpu0_int8_uniform_d0,gpu25_int8_skewed_d0,gpu25_int8_skewed_d1,cpu0_int4_uniform_d0"
-    args = bench_e2e.build_parser().parse_args(
-        ["--dry-run", "--out", str(out), "--configs", configs, "--budget-s", "600",
-         "--prefill-configs", "cpu0_int8_uniform_d0,gpu100_bf16_uniform", "--min-step-s", "0"])
-    bench_e2e.run(args, cpu_kernels=_kernels_for_host())
-    for f in (bench_e2e.JSON_NAME, bench_e2e.MD_NAME, bench_e2e.PLOT_DECODE, bench_e2e.PLOT_PREFILL):
-        assert (out / f).stat().st_size > 0, f
-    on_disk = json.loads((out / bench_e2e.JSON_NAME).read_text())
+    r = _dry(out, "--report-dir", str(report), "--configs", configs, "--budget-s", "600",
+             "--prefill-configs", "cpu0_int8_uniform_d0,gpu100_bf16_uniform", "--min-step-s", "0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for f in ("e2e.md", "e2e_decode.png", "e2e_prefill.png"):
+        assert (report / f).stat().st_size > 0, f
+    on_disk = read_result(out, "e2e")
+    assert on_disk["meta"]["benchmark"] == "e2e" and on_disk["meta"]["dry_run"] is True
     assert [e["name"] for e in on_disk["configs"]] == configs.split(",")
     by = {e["name"]: e for e in on_disk["configs"]}
     for e in on_disk["configs"]:
@@ -165,21 +152,25 @@ def test_dry_run_end_to_end(tmp_path):
     assert by["cpu0_int8_uniform_d0"]["decode"]["8"]["overlap_layer0"]["cpu_alone_ms"] > 0
     assert "48_off" in by["cpu0_int8_uniform_d0"]["prefill"]
     assert "48_off" in by["gpu100_bf16_uniform"]["prefill"]
-    assert "gpu25_int8_skewed_d0" in (out / bench_e2e.MD_NAME).read_text()
-    # the lead redraws the table and plots from the JSON alone
+    assert "gpu25_int8_skewed_d0" in (report / "e2e.md").read_text()
+    # the table and plots are redrawn from the JSON alone
     again = tmp_path / "replot"
-    bench_e2e.replot(str(out / bench_e2e.JSON_NAME), str(again))
-    assert (again / bench_e2e.MD_NAME).read_text() == (out / bench_e2e.MD_NAME).read_text()
-    assert (again / bench_e2e.PLOT_DECODE).stat().st_size > 0
+    r = run_benchmark("bench_e2e.py", "--replot", str(out / "e2e.json"), "--report-dir", str(again))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (again / "e2e.md").read_text() == (report / "e2e.md").read_text()
+    assert (again / "e2e_decode.png").stat().st_size > 0
 
 
+@needs_kernels
+@needs_script
+@pytest.mark.subprocess
 def test_placement_without_the_all_gpu_run_calibrates_on_the_cpu(tmp_path):
     """No gpu100 run to record statistics with: the calibration (and the skew fit) run with every
     expert on the CPU, and the placement is planned from them."""
-    args = bench_e2e.build_parser().parse_args(
-        ["--dry-run", "--out", str(tmp_path), "--configs", "gpu50_int8_skewed_d0", "--decode-batches", "1",
-         "--prefill-configs", "", "--min-step-s", "0", "--skip-overlap"])
-    data = bench_e2e.run(args, cpu_kernels=_kernels_for_host())
+    r = _dry(tmp_path, "--configs", "gpu50_int8_skewed_d0", "--decode-batches", "1", "--prefill-configs", "",
+             "--min-step-s", "0", "--skip-overlap")
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = read_result(tmp_path, "e2e")
     (e,) = data["configs"]
     assert e["status"] == "ok", e.get("error")
     assert data["calibration"]["skewed"]["experts_backend"] == "hybrid"
@@ -187,39 +178,25 @@ def test_placement_without_the_all_gpu_run_calibrates_on_the_cpu(tmp_path):
     assert e["gpu_experts"] == 8 and e["correctness"].startswith("n/a")
 
 
+@needs_script
+@pytest.mark.subprocess
 def test_budget_skips_and_records(tmp_path):
     """A budget that is used up at once: every configuration is recorded as skipped, files written."""
-    out = tmp_path / "e2e"
-    args = bench_e2e.build_parser().parse_args(
-        ["--dry-run", "--out", str(out), "--configs", "cpu0_int8_uniform_d0,gpu25_int8_skewed_d1",
-         "--budget-s", "0"])
-    data = bench_e2e.run(args, cpu_kernels=_kernels_for_host())
-    assert [e["status"] for e in data["configs"]] == ["skipped", "skipped"]
-    on_disk = json.loads((out / bench_e2e.JSON_NAME).read_text())
+    r = _dry(tmp_path, "--configs", "cpu0_int8_uniform_d0,gpu25_int8_skewed_d1", "--budget-s", "0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    on_disk = read_result(tmp_path, "e2e")
+    assert [e["status"] for e in on_disk["configs"]] == ["skipped", "skipped"]
     assert all("budget" in e["reason"] for e in on_disk["configs"])
 
 
-def test_watchdog_ends_a_stalled_or_overlong_run():
-    """Device runs end themselves (results written) on a stall or past the hard limit; here on_kill
-    only records the reason. Beats keep a live run going."""
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    def start(hard, stall, beating):
-        ctx = SimpleNamespace(clock=bench_e2e.Clock(100), last_beat=time.monotonic())
-        got = []
-        done = threading.Event()
-        dog = bench_e2e.Watchdog(ctx, hard, stall, lambda reason: (got.append(reason), done.set()))
-        dog.start()
-        t_end = time.monotonic() + 3.5
-        while time.monotonic() < t_end and not done.is_set():
-            if beating:
-                ctx.last_beat = time.monotonic()
-            time.sleep(0.05)
-        dog.stopped.set()
-        return got
-
-    assert "no progress" in start(hard=100, stall=1.5, beating=False)[0]
-    assert start(hard=100, stall=1.5, beating=True) == []
-    assert "hard limit" in start(hard=1.5, stall=100, beating=True)[0]
+@needs_script
+@pytest.mark.subprocess
+def test_watchdog_ends_an_overlong_run_with_its_results_written(tmp_path):
+    """Past --hard-limit-s (counted from process start) the watchdog writes the results, says why
+    and ends the process with exit code 3: a run stuck where Python cannot interrupt it still
+    leaves its figures."""
+    r = _dry(tmp_path, "--hard-limit-s", "1", "--budget-s", "600", "--configs", "cpu0_int8_uniform_d0",
+             timeout=300)
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    assert "hard limit 1 s reached; results written, exiting" in r.stdout
+    assert "hard limit" in read_result(tmp_path, "e2e")["meta"]["ended_by_watchdog"]

@@ -1,75 +1,107 @@
-"""benchmarks/bench_moe.py's plumbing: the bandwidth figure for the floor and the kt-kernel
-baseline's subprocess (its real run needs kt-kernel's AMX extension: the device)."""
-import os
+"""benchmarks/bench_moe.py run as a user runs it, on a tiny layer: its rows, its floors, its
+per-call overhead, and the kt-kernel baseline's subprocess (kt-kernel's extension needs an AMX
+host with its wheel: here a stand-in interpreter answers for it through the same files)."""
+import stat
 import sys
-from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import pytest
 
-import bench_moe  # noqa: E402
+from kt.testing.bench import benchmarks_present, read_result, run_benchmark
 
-FAKE = r'''
+pytestmark = [pytest.mark.subprocess,
+              pytest.mark.skipif(not benchmarks_present(), reason="needs the repository's benchmarks/ folder")]
+
+# Called as ``<python> _ktkernel.py --ktk ... --side ktkernel ... --out DIR``, as bench_moe calls
+# kt-kernel's interpreter; writes DIR/ktkernel.json as _ktkernel.py does, bf16 failing.
+FAKE_KTKERNEL = r'''#!{python}
 import argparse, json, sys
 from pathlib import Path
 ap = argparse.ArgumentParser()
+ap.add_argument("script")
 for f in ("--ktk", "--side", "--threads", "--shape", "--T", "--schemes", "--budget-s", "--out"):
     ap.add_argument(f)
 a = ap.parse_args()
-if a.side != "ktkernel" or a.shape != "128,8,2048,768" or a.threads != "16":
+if not a.script.endswith("_ktkernel.py") or a.side != "ktkernel" or a.shape != "16,2,256,128" or a.threads != "2":
     sys.exit("unexpected arguments: " + " ".join(sys.argv[1:]))
-rows = [dict(scheme=s, T=int(t), side="ktkernel", ktkernel_min_ms=0.01 * int(t), ktkernel_med_ms=0.011 * int(t))
-        for s in a.schemes.split(",") for t in a.T.split(",")]
+rows = [dict(scheme=s, T=int(t), ktkernel_min_ms=0.75 * int(t), ktkernel_med_ms=0.8 * int(t))
+        for s in a.schemes.split(",") if s != "bf16" for t in a.T.split(",")]
 errors = {"bf16": "Traceback ...\nRuntimeError: no BF16 here"} if "bf16" in a.schemes else {}
-Path(a.out, "ktkernel_vs_kt_ktkernel.json").write_text(json.dumps(dict(rows=rows, errors=errors, ktkernel_variant="amx")))
+Path(a.out, "ktkernel.json").write_text(json.dumps(dict(rows=rows, errors=errors, ktkernel_variant="amx")))
 '''
 
-
-def test_floor_bandwidth_uses_the_thread_count_measured():
-    bw = {"1_thread_GBps": 30.0, "2_thread_GBps": 25.0, "16_thread_GBps": 100.0}
-    assert bench_moe._bw_for(bw, 1) == 30e9
-    assert bench_moe._bw_for(bw, 2) == 30e9  # the better of one and two threads
-    assert bench_moe._bw_for(bw, 16) == 100e9
-    assert bench_moe._bw_for(bw, 8) == 30e9  # not measured: the best figure at fewer threads
+TINY = ["--add-shape", "tiny=16,2,256,128", "--shapes", "tiny", "--pool-gb", "0.005"]
 
 
-def test_ktkernel_baseline_rows_notes_and_table(tmp_path):
-    script = tmp_path / "fake_baseline.py"
-    script.write_text(FAKE)
-    kt = dict(impl="kt", shape="qwen3-30b-a3b", scheme="int8", kernels="amx", threads=16, GBps=50.0,
-              TOPS=1.0, weight_MB=100.0, floor_us=1000.0)
-    rows = [dict(kt, T=1, min_us=500.0, median_us=600.0, frac_of_floor=0.5),
-            dict(kt, T=512, min_us=2000.0, median_us=2100.0, frac_of_floor=0.5),
-            dict(kt, T=512, threads=8, min_us=2500.0, median_us=2600.0, frac_of_floor=0.4)]
-    notes = []
-    bench_moe.ktkernel_baseline("qwen3-30b-a3b", [1, 512], ["int8", "bf16"], 16, str(tmp_path), rows, notes,
-                                script=str(script))
-    ktk = {(r["scheme"], r["T"]): r for r in rows if r["impl"] == "kt-kernel"}
-    assert set(ktk) == {("int8", 1), ("int8", 512), ("bf16", 1), ("bf16", 512)}
-    # kt's best thread count: 2000 us at T=512 against kt-kernel's 5120 us
-    assert ktk[("int8", 512)]["kt_speedup"] == 2.56 and ktk[("int8", 1)]["kt_speedup"] == 0.02
-    assert ktk[("int8", 512)]["frac_of_floor"] == round(1000.0 / 5120.0, 3)
-    assert ktk[("bf16", 1)]["kt_speedup"] is None  # no kt row for it
-    assert any("no BF16 here" in n for n in notes)
-    res = dict(host=dict(cpu="x", cpus=16, variant="amx"), bandwidth={"1_thread_GBps": 30.0, "16_thread_GBps": 100.0},
-               peaks={}, pool_gb=4, rows=rows, notes=notes)
-    md = tmp_path / "moe.md"
-    bench_moe.write_md(res, md)
-    text = md.read_text()
-    assert "| kt-kernel | qwen3-30b-a3b | int8 | amx | 16 | 512 | 5.12 |" in text and "2.56x" in text
-    assert "16 thread(s) 100.0 GB/s" in text
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench_moe")
+    fake = d / "fake_python"
+    fake.write_text(FAKE_KTKERNEL.replace("{python}", sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    r = run_benchmark("bench_moe.py", *TINY, "--T", "1,8", "--threads", "1,2", "--schemes", "int8,bf16",
+                      "--baseline", "kt-kernel", "--ktk", str(d), "--ktk-python", str(fake), "--out", str(d))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, read_result(d, "moe")
 
 
-def test_ktkernel_baseline_failure_is_a_note(tmp_path):
-    script = tmp_path / "broken.py"
-    script.write_text("import sys; sys.exit('kt_kernel extension failed to load')")
-    rows, notes = [], []
-    bench_moe.ktkernel_baseline("qwen3-30b-a3b", [1], ["int8"], 16, str(tmp_path), rows, notes, script=str(script))
-    assert not rows and len(notes) == 1 and "exit 1" in notes[0] and "failed to load" in notes[0]
+def test_rows_cover_every_case_and_their_figures_agree(moe_run):
+    from kt.cpu_ops.moe import CPUMoE
+    from kt.testing import random_expert_weights
+
+    r, res = moe_run
+    g, u, d = random_expert_weights(16, 256, 128)
+    per_expert_MB = {s: CPUMoE.from_tensors(g, u, d, scheme=s).expert_read_bytes() / 1e6 for s in ("int8", "bf16")}
+    assert res["meta"]["benchmark"] == "moe" and res["meta"]["machine"] == "test"
+    kt = {(x["scheme"], x["threads"], x["T"]): x for x in res["rows"] if x["impl"] == "kt"}
+    assert set(kt) == {(s, t, T) for s in ("int8", "bf16") for t in (1, 2) for T in (1, 8)}
+    E, K, H, I = 16, 2, 256, 128
+    for (scheme, threads, T), x in kt.items():
+        assert 0 < x["min_us"] <= x["median_us"]
+        # the figures are the same measurement read three ways (weight_MB is rounded to 0.1 MB)
+        assert x["GBps"] == pytest.approx(x["weight_MB"] * 1e6 / (x["min_us"] * 1e-6) / 1e9,
+                                          rel=0.05 / x["weight_MB"] + 0.01)
+        assert x["TOPS"] == pytest.approx(2.0 * T * K * 3 * H * I / (x["min_us"] * 1e-6) / 1e12, rel=0.02, abs=2e-3)
+        assert x["frac_of_floor"] == pytest.approx(x["floor_us"] / x["min_us"], rel=0.02, abs=2e-3)
+        # the bytes of the distinct experts a call touched, as the layer's kernels read them: a
+        # T=1 call touches exactly K experts, a T=8 call between K and min(E, T*K)
+        per_expert = per_expert_MB[scheme]
+        lo, hi = (K, K) if T == 1 else (K, min(E, T * K))
+        assert lo * per_expert - 0.05 <= x["weight_MB"] <= hi * per_expert + 0.05, (scheme, T, x["weight_MB"])
+    over = [x for x in res["rows"] if x["impl"] == "kt-overhead"]
+    assert len(over) == 4 and all(0 < x["masked_call_min_us"] <= x["masked_call_median_us"] for x in over)
+    assert all(x["pool_handoff_us"]["min"] <= x["pool_handoff_us"]["median"] for x in over)
+    assert set(res["bandwidth"]) >= {"1_thread_GBps", "2_thread_GBps"}
+    assert "| kt | tiny | int8 |" in r.stdout  # the printed table
 
 
-def test_find_ktkernel(tmp_path, monkeypatch):
-    assert bench_moe.find_ktkernel(str(tmp_path)) == str(tmp_path)
-    found = bench_moe.find_ktkernel()
-    local = Path(ROOT, ".ktk", "kt_kernel")
-    assert (found is not None) if local.is_dir() else (found is None or Path(found, "kt_kernel").is_dir())
+def test_ktkernel_rows_carry_kts_speedup_against_its_best_thread_count(moe_run):
+    _, res = moe_run
+    ktk = {(x["scheme"], x["T"]): x for x in res["rows"] if x["impl"] == "kt-kernel"}
+    assert set(ktk) == {("int8", 1), ("int8", 8)}
+    for (scheme, T), x in ktk.items():
+        best = min((k for k in res["rows"] if k["impl"] == "kt" and k["scheme"] == scheme and k["T"] == T),
+                   key=lambda k: k["min_us"])
+        assert x["min_us"] == pytest.approx(750.0 * T) and x["threads"] == 2
+        assert x["kt_speedup"] == round(750.0 * T / best["min_us"], 2)
+        assert x["frac_of_floor"] == round(best["floor_us"] / (750.0 * T), 3)
+    assert any("no BF16 here" in n for n in res["notes"])
+
+
+def test_a_failed_baseline_is_a_note_not_a_failed_run(tmp_path):
+    r = run_benchmark("bench_moe.py", *TINY, "--T", "1", "--threads", "1", "--schemes", "int8",
+                      "--baseline", "kt-kernel", "--ktk", str(tmp_path / "nowhere"), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = read_result(tmp_path, "moe")
+    assert not [x for x in res["rows"] if x["impl"] == "kt-kernel"]
+    (note,) = res["notes"]
+    assert "kt-kernel baseline" in note and "kt_kernel" in note  # _ktkernel.py's own error, passed on
+
+
+@pytest.mark.parametrize("spec, says", [("tiny=16,2,256", "four integers"), ("tiny=4,8,256,128", "K <= E"),
+                                        ("=16,2,256,128", "a name")])
+def test_a_bad_shape_is_refused(tmp_path, spec, says):
+    r = run_benchmark("bench_moe.py", "--add-shape", spec, "--shapes", "tiny", "--out", str(tmp_path))
+    assert r.returncode == 2 and says in r.stderr
+    r = run_benchmark("bench_moe.py", "--shapes", "nosuchmodel", "--out", str(tmp_path))
+    assert r.returncode == 2 and "unknown shape 'nosuchmodel'" in r.stderr
+    assert not (tmp_path / "moe.json").exists()

@@ -1,94 +1,51 @@
-"""benchmarks/cpu_decode_floor.py, decode_submit_probe.py and bw_methods.py on a tiny shape: they
-run end to end, the read job reads exactly the bytes the layer's kernels read for the call's
-experts, and the figures they write are the ones their rows describe (their real runs: the
-device, RESULTS.md section 2)."""
-import json
-import os
-import sys
+"""benchmarks/cpu_decode_floor.py run as a user runs it, on a tiny layer: the read beside each
+call covers exactly the bytes the layer's kernels read for the call's experts, and the figures
+it writes are the ones its rows describe (its real run: a 16-core host, RESULTS.md)."""
+import pytest
 
-import numpy as np
+from kt.testing.bench import benchmarks_present, read_result, run_benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+pytestmark = [pytest.mark.subprocess,
+              pytest.mark.skipif(not benchmarks_present(), reason="needs the repository's benchmarks/ folder")]
 
-import bench_moe  # noqa: E402
-import bw_methods  # noqa: E402
-import cpu_decode_floor as cdf  # noqa: E402
-import decode_submit_probe  # noqa: E402
+TINY = ["--add-shape", "tiny=16,2,256,128", "--shape", "tiny", "--threads", "2", "--pool-gb", "0.01"]
 
 
-def test_decode_floor_tiny(tmp_path, monkeypatch):
-    monkeypatch.setitem(bench_moe.SHAPES, "tiny", (16, 2, 256, 128))
-    cdf.main(["--shape", "tiny", "--threads", "2", "--pool-gb", "0.01", "--rounds", "6",
-              "--schemes", "int8,int4", "--variants", "i4l1_4k,gated", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "cpu_decode_floor.json").read_text())["rows"]
-    from kt.cpu_ops import isa
-
-    # the prefetch variants swap an AMX host's decode kernel; elsewhere only the gated job is added
-    i4 = [("int4", "i4l1_4k")] if isa.detect().variant == "amx" else []
-    assert [(r["scheme"], r["variant"]) for r in rows] == [
-        ("int8", "default"), ("int8", "gated"), ("int4", "default")] + i4 + [("int4", "gated")]
-    for r in rows:
-        assert r["rounds"] == 6 and 0 < r["call_min_ms"] <= r["call_median_ms"]
-        assert 0 < r["read_span_min_ms"] <= r["read_span_median_ms"] and r["frac_of_floor_minima"] > 0
-
-
-def test_decode_floor_sequences_and_call_parts(tmp_path, monkeypatch):
-    """--sequence with the plain call's parts timed (stamped), the general path and the AVX-512
-    decode GEMV beside it."""
-    monkeypatch.setitem(bench_moe.SHAPES, "tiny", (16, 2, 256, 128))
-    cdf.main(["--shape", "tiny", "--threads", "2", "--pool-gb", "0.01", "--rounds", "5",
-              "--sequence", "3", "--schemes", "int8", "--variants", "stamped,general,avx512",
-              "--x-bf16", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "cpu_decode_floor.json").read_text())["rows"]
-    from kt.cpu_ops import isa
-
-    v512 = ["avx512"] if isa.detect().variant == "amx" else []  # swaps an AMX layer's GEMV
-    assert [r["variant"] for r in rows] == ["default"] + v512 + ["stamped", "general"]
-    st = rows[-2]
-    # the job's span and the Python around it fit in the call (medians of different rounds
-    # need not add up exactly, so within the call's median plus its spread)
-    parts = [st[k] for k in ("us_to_first_entry_median", "us_job_median", "us_after_job_median")]
-    assert all(p >= 0 for p in parts) and st["us_job_median"] > 0
-    assert st["us_to_first_entry_median"] <= st["us_to_last_entry_median"]
-    assert sum(parts) <= 2 * st["call_median_ms"] * 1e3
-
-
-def test_decode_submit_probe_tiny(tmp_path, monkeypatch):
-    monkeypatch.setitem(bench_moe.SHAPES, "tiny", (16, 2, 256, 128))
-    decode_submit_probe.main(["--shape", "tiny", "--threads", "2", "--pool-gb", "0.01", "--rounds",
-                              "3", "--sequence", "2", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "decode_submit_probe.json").read_text())["rows"]
-    assert [r["mode"] for r in rows[:-1]] == list(decode_submit_probe.MODES)
-    for r in rows[:-1]:
-        assert 0 < r["submit_median_us"] < r["total_median_us"] and sum(r["caller_cpus"].values()) == 3
-    assert rows[-1]["pieces_us"]["masked call"] > 0
-
-
-def test_read_job_reads_the_kernels_bytes():
-    """The read covers read_arrays() of the experts asked for, and its span is measured."""
+def _per_expert_bytes(scheme):
     from kt.cpu_ops.moe import CPUMoE
-    from kt.cpu_ops.pool import CpuPool
     from kt.testing import random_expert_weights
 
-    pool = CpuPool(2)
-    try:
-        g, u, d = random_expert_weights(8, 256, 128, seed=3)
-        for scheme in ("int8", "int4", "bf16"):
-            m = CPUMoE.from_tensors(g, u, d, scheme=scheme, pool=pool)
-            segs = cdf.read_segments(m, [1, 6])
-            assert sum(n for _, n in segs) == 2 * m.expert_read_bytes()
-            assert all(a.ctypes.data == arr[e].ctypes.data for (a, _), (arr, e) in
-                       zip(segs, [(arr, e) for e in (1, 6) for arr in m.read_arrays()]))
-            res = np.zeros(pool.num_threads * cdf.RES_WORDS, np.int64)
-            wall, span = cdf.timed_read(pool, segs, res)
-            assert 0 < span <= wall
-    finally:
-        pool.shutdown()
+    g, u, d = random_expert_weights(16, 256, 128)
+    return CPUMoE.from_tensors(g, u, d, scheme=scheme).expert_read_bytes()
 
 
-def test_bw_methods_tiny(tmp_path):
-    bw_methods.main(["--threads", "2", "--rounds", "1", "--gib", "0.05", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "bw_methods.json").read_text())["rows"]
-    r = rows[0]
-    assert r["per_piece_GBps"] > 0 and r["best_GBps"] == max(r[k] for k in r if k.startswith("pf"))
+def test_plain_and_gated_calls_beside_a_read_of_their_bytes(tmp_path):
+    r = run_benchmark("cpu_decode_floor.py", *TINY, "--rounds", "6", "--schemes", "int8,int4",
+                      "--variants", "gated", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = read_result(tmp_path, "cpu_decode_floor")
+    assert res["dims_EKHI"] == [16, 2, 256, 128]
+    rows = res["rows"]
+    assert [(x["scheme"], x["variant"]) for x in rows] == [
+        ("int8", "default"), ("int8", "gated"), ("int4", "default"), ("int4", "gated")]
+    for x in rows:
+        assert x["rounds"] == 6 and 0 < x["call_min_ms"] <= x["call_median_ms"]
+        assert 0 < x["read_span_min_ms"] <= x["read_span_median_ms"] <= x["read_wall_median_ms"]
+        # a T=1 call of top-2 touches two experts; the read covers what the kernels read of them
+        assert x["experts_per_call_median"] == 2
+        assert x["expert_read_bytes"] == _per_expert_bytes(x["scheme"])
+        assert x["MB_per_call"] == round(2 * x["expert_read_bytes"] / 1e6, 2)
+        assert x["frac_of_floor_minima"] == pytest.approx(x["read_span_min_ms"] / x["call_min_ms"], rel=0.01)
+        assert x["read_GBps_median"] > 0
+
+
+def test_sequences_and_refused_arguments(tmp_path):
+    r = run_benchmark("cpu_decode_floor.py", *TINY, "--rounds", "4", "--schemes", "bf16", "--sequence", "3",
+                      "--x-bf16", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    (x,) = read_result(tmp_path, "cpu_decode_floor")["rows"]
+    assert x["sequence"] == 3 and x["scheme"] == "bf16" and x["call_min_ms"] > 0
+    for bad, says in ((["--sequence", "0"], "at least 1"), (["--variants", "stamped"], "unknown --variants"),
+                      (["--pool-gb", "0.0001"], "at least 3 are needed")):
+        r = run_benchmark("cpu_decode_floor.py", *TINY, "--schemes", "int8", "--out", str(tmp_path / "x"), *bad)
+        assert r.returncode != 0 and says in r.stderr, (bad, r.stderr[-500:])

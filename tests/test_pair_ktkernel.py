@@ -1,58 +1,42 @@
-"""benchmarks/pair_ktkernel.py's plumbing: a real kt server (``baseline_ktkernel.py --serve --side
-kt`` on a toy layer) alternated with a stand-in for kt-kernel's server that speaks the same
-protocol (kt-kernel's extension itself needs the device)."""
-import os
-import sys
+"""benchmarks/pair_ktkernel.py run as a user runs it: two real kt servers (``--peer kt``, the
+method's own spread) alternated on a toy layer, and what happens when kt-kernel's extension is
+missing (its real run needs an AMX host with kt-kernel's wheel)."""
+import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from kt.testing.bench import benchmarks_present, read_result, run_benchmark
 
-import pair_ktkernel as P  # noqa: E402
+pytestmark = [pytest.mark.subprocess,
+              pytest.mark.skipif(not benchmarks_present(), reason="needs the repository's benchmarks/ folder")]
 
-# answers like baseline_ktkernel.serve, with lines of its own in between (as kt-kernel prints)
-FAKE = r'''
-import sys
-print("a library's own line", flush=True)
-print("@@ready", flush=True)
-for line in sys.stdin:
-    cmd = line.split()
-    if not cmd or cmd[0] == "quit":
-        break
-    print("12 a log line that starts with a digit", flush=True)
-    if cmd[0] == "build":
-        print("@@built 0.0", flush=True)
-    elif cmd[0] == "idle":
-        print("@@0.5", flush=True)
-    elif cmd[0] == "calls":
-        print("@@" + " ".join(["0.004"] * int(cmd[3])), flush=True)
-'''
+TOY = ["--shape", "8,2,64,32", "--copies", "2", "--threads", "1", "--gap-s", "0", "--block", "2"]
 
 
-def test_kt_server_alternates_with_a_stand_in(tmp_path, monkeypatch):
-    fake = tmp_path / "fake_ktk.py"
-    fake.write_text(FAKE)
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    common = ["--shape", "8,2,64,32", "--T", "1,4", "--copies", "2"]
-    kt = P.Side("kt", sys.executable, ["--side", "kt", "--threads", "1", *common], env)
-    monkeypatch.setattr(P, "SERVER", fake)
-    ktk = P.Side("kt-kernel", sys.executable, [], env)
-    try:
-        assert kt.ask("build int8").split()[0] == "built"
-        assert ktk.ask("build int8") == "built 0.0"
-        assert float(kt.ask("idle 1 0.05")) >= 0.0
-        times = [float(t) for t in kt.ask("calls 4 7 3").split()]
-        assert len(times) == 3 and all(0 < t < 10 for t in times)
-        ps = P.pairs(kt, ktk, 4, 3, 0.0, 2, 100)
-        assert len(ps) == 3 and all(a > 0 and b == 0.004 for a, b in ps)
-        r = P.summarise("int8", 4, ps, 1, 1)
-        assert r["pairs"] == 3 and r["ktk_min_ms"] == 4.0
-        assert r["speedup_of_minima"] == round(0.004 / min(a for a, _ in ps), 3)
-        assert r["speedup_pair_min"] <= r["speedup_pair_median"] <= r["speedup_pair_max"]
-        res = dict(shape="8,2,64,32", threads=1, ktk_threads=1, pairs=3, gap_s=0.0, block=2, rows=[r])
-        P.write_md(res, tmp_path / "p.md")
-        text = (tmp_path / "p.md").read_text()
-        assert "| int8 | 4 |" in text and "best of 2 calls" in text
-    finally:
-        kt.close()
-        ktk.close()
-    assert kt.proc.returncode == 0 and ktk.proc.returncode == 0
+def test_kt_against_itself(tmp_path):
+    r = run_benchmark("pair_ktkernel.py", "--peer", "kt", *TOY, "--schemes", "int8,int4", "--T", "1,4",
+                      "--pairs", "3", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = read_result(tmp_path, "pair_kt_self")
+    assert not (tmp_path / "pair_ktkernel.json").exists()  # a self-pair never stands in for kt-kernel's
+    assert res["peer"] == "kt" and res["meta"]["benchmark"] == "pair_kt_self"
+    assert [(x["scheme"], x["T"]) for x in res["rows"]] == [("int8", 1), ("int8", 4), ("int4", 1), ("int4", 4)]
+    for x in res["rows"]:
+        assert x["pairs"] == 3 and len(x["raw_ms"]) == 3
+        kt_ms = [a for a, _ in x["raw_ms"]]
+        peer_ms = [b for _, b in x["raw_ms"]]
+        assert x["kt_min_ms"] == min(kt_ms) and x["peer_min_ms"] == min(peer_ms)
+        # (raw_ms is rounded to 1 us: a few per cent of a toy call)
+        assert x["speedup_of_minima"] == pytest.approx(min(peer_ms) / min(kt_ms), rel=0.05)
+        assert x["speedup_pair_min"] <= x["speedup_pair_median"] <= x["speedup_pair_max"]
+        assert 0 < min(kt_ms) and 0 < min(peer_ms)
+    # how long each side's workers spin after a call (what --gap-s must cover), per side
+    assert set(res["idle_cores"]) == {"kt", "kt (peer)"}
+    assert "| int8 | 4 |" in r.stdout and "best of 2 calls" in r.stdout
+
+
+def test_a_missing_ktkernel_extension_ends_the_run_with_its_reason(tmp_path):
+    r = run_benchmark("pair_ktkernel.py", *TOY, "--ktk", str(tmp_path / "nowhere"), "--schemes", "int8",
+                      "--T", "1", "--pairs", "1", "--out", str(tmp_path), timeout=300)
+    assert r.returncode != 0
+    assert "the kt-kernel server exited" in r.stderr
+    assert "no kt_kernel/_kt_kernel_ext_amx" in r.stderr  # the server's own error, on the same stderr
+    assert not (tmp_path / "pair_ktkernel.json").exists()

@@ -15,7 +15,8 @@ the CPU).
 
 Offsets inside one expert's weights (and scales) are 32-bit, with the expert's base and every activation
 row offset in 64 bits: 64-bit, clamped (tl.where) column offsets made the T=4096 GEMMs 1.6-3x slower on
-the H200 (benchmarks/gpu_prefill_probe.py). The wrapper checks that one expert spans < 2**31 elements.
+the H200 (docs/decisions.md; git show lab-archive:benchmarks/gpu_prefill_probe.py). The wrapper checks
+that one expert spans < 2**31 elements.
 
 Compute dtype code CT: 0 fp32, 1 fp16, 2 bf16. UPCAST (interpreter only) does every dot in fp32, because
 the interpreter keeps bf16 as raw bits and a bf16 tl.dot there is silently wrong.
@@ -134,7 +135,7 @@ def _round127(v):
     # integer by the fp32 adds themselves. No per-element NaN guard (it was a compare and a select per
     # code): a code that is NaN (a NaN or Inf in the row) clamps to +-127 on a GPU, and its row's
     # level-1 scale is NaN (_scale127), which makes every output of the row NaN anyway.
-    # H200, qwen3 T=4096: act_quant2 19.3 -> 15.5 us with both changes (gpu_a8_probe.py).
+    # H200, qwen3 T=4096: act_quant2 19.3 -> 15.5 us with both changes (docs/decisions.md).
     r = (v + 12582912.0) - 12582912.0
     return tl.minimum(tl.maximum(r, -127.0), 127.0)
 
@@ -299,7 +300,7 @@ def down_kernel(
     zeros). FLATTEN: as gate_up_kernel.
     SORTED_H: h is [P, I] in the sorted order (gate_up_kernel's SORTED_H): a tile's rows are one
     contiguous block, read through h_desc (TMA_H: a TMA descriptor of h, [BLOCK_M, BLOCK_K] boxes) or
-    pointers. H200, qwen3 int8 T=4096: 98.4 -> 88.2 us with TMA_H (benchmarks/gpu_sorted_a_probe.py).
+    pointers. H200, qwen3 int8 T=4096: 98.4 -> 88.2 us with TMA_H (docs/decisions.md).
     """
     num_pid_m = tl.load(num_padded_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(H, BLOCK_N)

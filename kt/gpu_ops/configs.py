@@ -20,15 +20,15 @@ from pathlib import Path
 __all__ = ["MoEConfig", "DirectConfig", "DIRECT_MAX_N", "DIRECT_MAX_T", "takes_direct", "pick_config",
            "config_from_dict", "shape_key", "table_name", "load_table", "table_for_device"]
 
-# Token-slots (T*K) up to which the direct path is the default. H200 (session 5, results/gpu_s5_*):
-# at T=1 it beat the sorted path (qwen3 bf16 20.9 vs 26.8 us, int8 20.5 vs 24.7, mixtral 110 vs
+# Token-slots (T*K) up to which the direct path is the default. H200 (bench_gpu.py --tune, whole
+# op): at T=1 it beat the sorted path (qwen3 bf16 20.9 vs 26.8 us, int8 20.5 vs 24.7, mixtral 110 vs
 # 119); at T=7 it lost (qwen3 bf16 63 vs 47 us, mixtral 410 vs 345): its down GEMV re-reads an
 # expert's rows for every token that uses it.
 DIRECT_MAX_N = 8
 # Tokens up to which the direct path is the default whatever K is. At T=2 a slot's rows are read at
-# most twice. H200, session 16 (benchmarks/gpu_decode_path_probe.py, results/gpu_s16_run2_*), whole
-# op, sorted vs direct: qwen3 T=2 bf16 29.6 vs 24.5 us, int8 32.8 vs 21.2; at T=4 the sorted path
-# wins (bf16 47.2 vs 51.6, int8 41.3 vs 43.0), and at T=7 for mixtral too (337 vs 366).
+# most twice. H200, whole op, sorted vs direct: qwen3 T=2 bf16 29.6 vs 24.5 us, int8 32.8 vs 21.2;
+# at T=4 the sorted path wins (bf16 47.2 vs 51.6, int8 41.3 vs 43.0), and at T=7 for mixtral too
+# (337 vs 366) (docs/decisions.md; git show lab-archive:benchmarks/gpu_decode_path_probe.py).
 DIRECT_MAX_T = 2
 
 
@@ -71,8 +71,8 @@ class MoEConfig:
     tma: load the weight tiles through TMA descriptors (Hopper and later, weights contiguous with
     16-byte aligned rows; elsewhere the kernels keep pointer loads). flatten / down_flatten: flatten
     the persistent tile loop with the k loop, so each program loads its next tile while this one's
-    epilogue runs; such a kernel runs one program per SM. On the H200 (session 8,
-    benchmarks/gpu_prefill_probe.py, qwen3 T=4096): TMA took gate+up from 138 to 124 us; TMA, a
+    epilogue runs; such a kernel runs one program per SM. On the H200 (qwen3 T=4096, docs/decisions.md;
+    git show lab-archive:benchmarks/gpu_prefill_probe.py): TMA took gate+up from 138 to 124 us; TMA, a
     flattened loop and bf16 y (fused_moe's choice for bf16 outputs) took the down GEMM from 91 to 67.
 
     a8 (int8 weights only; fused_moe refuses it otherwise): the gate+up GEMM takes x as two int8
@@ -205,7 +205,7 @@ def _heuristic(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: 
     # Rows per active slot decide the regime. Few rows: the kernels stream weights (memory bound), so
     # use the smallest row block and narrow column blocks, to have enough programs in flight to pull
     # HBM bandwidth. Many rows: large tiles for tensor-core efficiency.
-    # The winners of the H200 sweep (benchmarks/results/gpu.json) shaped these defaults.
+    # The winners of the H200 sweep (benchmarks/results/h200-xeon16/gpu.json) shaped these defaults.
     rows_per_slot = num_tokens * top_k / max(1, min(num_slots, num_tokens * top_k))
     bk = 128 if weight_dtype == "int8" else 64
     if rows_per_slot <= 2:
@@ -215,8 +215,8 @@ def _heuristic(num_tokens: int, top_k: int, num_slots: int, hidden: int, inter: 
     if rows_per_slot <= 64:
         return MoEConfig(block_m=32, block_n=64, block_k=bk, group_m=4, num_warps=4, num_stages=4)
     if weight_dtype == "int8":
-        # two-level int8 activations on the int8 tensor cores: on the H200 (session 12, bench_gpu
-        # --tune) they won every int8 case with this many rows (qwen3 / mixtral, T=512 / 4096),
+        # two-level int8 activations on the int8 tensor cores: on the H200 (bench_gpu.py --tune)
+        # they won every int8 case with this many rows (qwen3 / mixtral, T=512 / 4096),
         # by 10-30 % of the whole op, with these gate+up tiles
         return MoEConfig(block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3, a8=True,
                          down_block_n=128, down_block_k=64, down_num_warps=4, down_num_stages=4)
@@ -229,7 +229,7 @@ def _direct_heuristic(hidden: int, inter: int) -> DirectConfig:
     # Memory bound: narrow GEMV column blocks for many programs in flight, k loops pipelined (three
     # steps in flight: on the H200 at mixtral T=1 gate+up 59 -> 49 us int8, 73 -> 68 bf16; down
     # 37 -> 31 int8); down reads a whole I row per step when I is short (one load per expert). The
-    # H200 sweep's winners at T=1 (bench_gpu --tune, session 15) shaped these.
+    # H200 sweep's winners at T=1 (bench_gpu.py --tune) shaped these.
     down_k = min(1024, max(16, 1 << (max(inter, 1) - 1).bit_length()))
     return DirectConfig(gate_up="pairs", block_n=4, block_k=1024, num_warps=4, num_stages=3, down_block_n=2,
                         down_block_k=down_k, down_num_warps=2, down_num_stages=3)

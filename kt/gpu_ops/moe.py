@@ -31,15 +31,15 @@ _WNAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 
 _kernels_mod = None
 # Token-slots up to which the alignment runs as one program (where the per-slot path below does not
-# take them: since session 25 only when forced), and slots (next power of two) up to which larger N
-# takes the two-launch path (else four launches with atomics). H200, us, one program /
-# two launches / atomics (benchmarks/results/gpu_s13_run7_a8_probe.json): N=512 S=32: 9.8 / 18.0 /
+# take them: only when forced), and slots (next power of two) up to which larger N takes the
+# two-launch path (else four launches with atomics). H200, us, one program / two launches /
+# atomics (git show lab-archive:benchmarks/results/gpu_s13_run7_a8_probe.json): N=512 S=32: 9.8 / 18.0 /
 # 11.6; N=1024: 14.4 / 16.7 / 18.2; N=8192: 69 / 15.6 / 18.8; N=32768 S=32: - / 15.8 / 22.1; S=64:
 # - / 19.7 / 25.6; S=128: - / 45.8 / 39.5.
 _ALIGN_ONE_PROGRAM_MAX_N = 1024
 # Token-slots up to which the alignment runs as one program per slot (align_per_slot_kernel), and
 # the ids each of its programs maps per step. H200, us alone, per slot / the path before it
-# (results/gpu_align_probe_*_s25_run6): N=512 S=32: 4.8 / 8.1 (one program); N=2048: 6.6 / 16.3 (two
+# (git show lab-archive:benchmarks/gpu_align_probe.py): N=512 S=32: 4.8 / 8.1 (one program); N=2048: 6.6 / 16.3 (two
 # launches); N=4096: 10.6 / 16.3, S=128: 12.3 / 24.3 (atomics); N=8192: 20.6 / 16.1 (each program
 # reads all ids: it loses from here on).
 _ALIGN_PER_SLOT_MAX_N = 4096
@@ -49,7 +49,7 @@ _FILL = 1024  # sorted_ids entries the one-program offsets step sets to the sent
 _PROGRAMS_PER_SM = 4  # persistent GEMM grid: this many programs per SM (fewer if there are fewer tiles)
 # act_quant2's launch: elements of x per program (whole rows, at least one; rows up to
 # _ACT_QUANT_ROW_MAX elements are kept in registers, longer ones read in three passes), warps.
-# H200 (gpu_s13_run7_a8_probe.json, rounding to nearest even): 4096 / 4 warps took 15.7 us at qwen3
+# H200 (git show lab-archive:benchmarks/gpu_a8_probe.py, rounding to nearest even): 4096 / 4 warps took 15.7 us at qwen3
 # T=4096 (8192 / 8 warps, the old default, 16.1-18.0), 24.2 at mixtral, 44.3 at H=7168 (one row of
 # 8192 per program; the probe's copy without the three-pass branch took 40.1 there, not explained).
 _ACT_QUANT_ELEMS = 4096
@@ -108,11 +108,11 @@ def align_by_slot(topk_ids: torch.Tensor, expert_to_slot: torch.Tensor, num_slot
     sorted_ids holds the token-slots of each slot together, each slot's group padded to a multiple of
     block_m with the sentinel N; P = N + S*(block_m - 1) rounded up to block_m is the worst case, and
     rows from num_padded[0] on are unused (not read by the GEMMs; their values are not defined).
-    Paths, by measured speed (H200, gpu_a8_probe.py, gpu_align_probe.py): for N <= 4096 one launch
+    Paths, by measured speed (H200, docs/decisions.md): for N <= 4096 one launch
     of a program per slot, rows in token order inside each slot; beyond, up to 64 slots two launches
     without atomics, rows in token order; beyond that four launches with atomics (rows in no fixed
-    order inside a slot). (The one-program path that decode used until session 25 is only taken
-    when forced, `_forced_align`: tests check every path against the others.) The order changes no
+    order inside a slot). (The one-program path, slower than one program per slot at every decode
+    size, is only taken when forced, `_forced_align`: tests check every path against the others.) The order changes no
     result: a row's dot products do not depend on the other rows of its tile.
     """
     kern = _kernels()
@@ -324,7 +324,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 def sorted_h_for(down_config) -> bool:
     """Whether fused_moe keeps h in sorted order for this down config (MoEConfig.for_down()): where
     its weight tiles come by TMA, so that its h row blocks do too (H200, qwen3 T=4096: int8 down
-    98.4 -> 88.2 us, bf16 72.2 -> 71.2; benchmarks/gpu_sorted_a_probe.py)."""
+    98.4 -> 88.2 us, bf16 72.2 -> 71.2; git show lab-archive:benchmarks/gpu_sorted_a_probe.py)."""
     return _SORTED_H if _SORTED_H is not None else bool(down_config.tma)
 
 
@@ -484,8 +484,8 @@ def combine(y, slot32, out, block_h: int = 1024, num_warps: int = 4):
     """out [T, H] = sum over k of y[t*K + k] where slot32[t*K + k] >= 0 (fp32, fixed order). A
     program takes one token x ``block_h`` columns (capped at H's next power of two). (H200, qwen3
     T=4096 with 25 % of the token-slots on the GPU: 19.3-19.5 us for 50 MB, 61 % of HBM; no launch
-    shape of 512-4096 columns, 1-4 tokens and 2-8 warps per program did better, gpu_a8_probe.py
-    session 13.)"""
+    shape of 512-4096 columns, 1-4 tokens and 2-8 warps per program did better:
+    git show lab-archive:benchmarks/gpu_a8_probe.py.)"""
     kern = _kernels()
     t, h = out.shape
     k = slot32.numel() // max(t, 1)

@@ -28,7 +28,7 @@ E2S_B = [-1, 2, -1, -1, 0, -1, 1, -1]
     (1, 4, 128, 64, E2S_B, "int8"),
     (33, 4, 64, 96, E2S_A, "int8"),
     (0, 2, 64, 32, E2S_A, "bf16"),
-    # T=2 with T*K > 8: the direct path by default since session 16 (configs.takes_direct)
+    # T=2 with T*K > 8: the direct path by default (configs.takes_direct: T <= 2)
     (2, 8, 64, 32, E2S_A, "bf16"),
     (2, 6, 128, 96, E2S_B, "int8"),
 ])
