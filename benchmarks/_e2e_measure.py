@@ -131,7 +131,7 @@ def measure_ttft(ctx: Ctx, rc: RunConfig, entry: dict, backend, gpu_mask):
 
 
 def _capture_step(ctx: Ctx, st: DecodeState):
-    from kt._stream_bridge import GraphRunner
+    from kt.layer import GraphRunner
 
     model = ctx.model
     s = torch.cuda.Stream()

@@ -228,7 +228,7 @@ class Ctx:
             gc.collect()
 
     def hybrid_backend(self, scheme: str, rows, deferred: int) -> HybridExperts:
-        from kt.hybrid import DeferredChain, HybridMoE
+        from kt.layer import DeferredChain, HybridMoE
 
         cfg = self.cfg
         cpus = self.cpu_moe_list(scheme)

@@ -11,7 +11,7 @@ Sections (each independent; a failure is recorded and the script goes on):
                T in {1, 8, 64, 512, 4096}: hybrid time vs max(CPU part alone, GPU part alone)
   graph_overlap  the same for T in {1, 8, 64} with the layer (and the GPU part alone) replayed from
                CUDA graphs, as decode runs it; the gated CPU part (the default) interleaved with
-               the polled one (kt._stream_bridge)
+               the polled one (kt.layer._stream_bridge)
   eager_graphs the eager T in {1, 8} cases with the layer's own CUDA graphs (the default) against
                the always-eager path, interleaved, and a 4-layer eager step
   graph        a 4-layer decode step captured in a CUDA graph, replayed: identical to eager?
@@ -40,7 +40,7 @@ from _results import add_out_arguments, out_dir, write_result  # noqa: E402
 from kt import reference as ref  # noqa: E402
 from kt.cpu_ops.moe import CPUMoE  # noqa: E402
 from kt.cpu_ops.pool import CpuPool  # noqa: E402
-from kt.hybrid import HybridMoE  # noqa: E402
+from kt.layer import HybridMoE  # noqa: E402
 
 E, K, H, I = 128, 8, 2048, 768
 SECTIONS = ("correctness", "overlap", "graph_overlap", "eager_graphs", "graph", "concurrency", "prefill")
@@ -222,8 +222,8 @@ def section_graph_overlap(cpu, dev, res, reps):
     """Decode-sized overlap as decode runs it: one hybrid layer captured in a CUDA graph (kt's
     GraphRunner) and replayed, against the CPU part alone and the GPU part alone replayed from
     its own graph; each timing includes one host synchronisation."""
-    from kt import _stream_bridge as sb
-    from kt._stream_bridge import GraphRunner
+    from kt.layer import _stream_bridge as sb
+    from kt.layer import GraphRunner
     from kt.gpu_ops import fused_moe
 
     gen = torch.Generator().manual_seed(4)
@@ -278,8 +278,8 @@ def section_graph_overlap(cpu, dev, res, reps):
 
 
 def section_graph(cpu, dev, res):
-    from kt._stream_bridge import GraphRunner
-    from kt.hybrid import DeferredChain
+    from kt.layer import GraphRunner
+    from kt.layer import DeferredChain
 
     out = {}
     for frac in (0.0, 0.25):

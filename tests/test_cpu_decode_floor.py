@@ -35,7 +35,9 @@ def test_plain_and_gated_calls_beside_a_read_of_their_bytes(tmp_path):
         assert x["experts_per_call_median"] == 2
         assert x["expert_read_bytes"] == _per_expert_bytes(x["scheme"])
         assert x["MB_per_call"] == round(2 * x["expert_read_bytes"] / 1e6, 2)
-        assert x["frac_of_floor_minima"] == pytest.approx(x["read_span_min_ms"] / x["call_min_ms"], rel=0.01)
+        # (the script rounds the fraction to 3 decimals and the times to 4)
+        assert x["frac_of_floor_minima"] == pytest.approx(x["read_span_min_ms"] / x["call_min_ms"], rel=0.01,
+                                                          abs=6e-4)
         assert x["read_GBps_median"] > 0
 
 

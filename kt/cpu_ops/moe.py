@@ -727,7 +727,7 @@ class CPUMoE:
         ``start_flag`` is non-zero; the first thread to finish clears that flag and stores 1 at
         ``done_flag``. This is the decode path of a hybrid layer: a CUDA stream copies the inputs
         into these (pinned) arrays, sets the start flag and waits for "done" with stream memory
-        operations, and no Python runs in between (``kt._stream_bridge``).
+        operations, and no Python runs in between (``kt.layer._stream_bridge``).
 
         x [T, H] float32 or uint16 (bf16 bits), topk_ids [T, K] int64, topk_weights [T, K]
         float32, out [T, H] of x's kind: C-contiguous numpy arrays that stay valid until

@@ -398,7 +398,7 @@ class Model:
 # ----------------------------------------------------------------------------- expert backends
 
 class HybridExperts:
-    """kt.hybrid.HybridMoE per layer. mode: "full", "gpu_only" (the GPU slots alone, CPU experts
+    """kt.layer.HybridMoE per layer. mode: "full", "gpu_only" (the GPU slots alone, CPU experts
     dropped: the GPU's own time of a step) or "none" (no experts: the dense part alone)."""
 
     kind = "hybrid"
@@ -431,7 +431,7 @@ class FusedGPUExperts:
     kind = "all_gpu"
 
     def __init__(self, sets, layer_set, device, dtype: str = "bf16"):
-        from kt._gpu_weights import packed_to_device
+        from kt.layer._gpu_weights import packed_to_device
 
         self.layer_set = list(layer_set)
         e = sets[0][0].data.shape[0]
