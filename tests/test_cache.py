@@ -78,7 +78,7 @@ def test_kernels_are_cached_under_the_kt_key(tmp_path):
 
     code = ("import numpy as np\n"
             "from kt.cpu_ops import cache\n"
-            "from kt.cpu_ops.actquant import quantize_rows\n"
+            "from kt.cpu_ops.kernels.actquant import quantize_rows\n"
             "x = np.ones((2, 64), np.float32); xq = np.zeros((2, 64), np.int8); xs = np.zeros(2, np.float32)\n"
             "quantize_rows(x, xq, xs)\n"
             "print(cache.kernel_cache_dir())\n")

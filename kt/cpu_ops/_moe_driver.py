@@ -50,7 +50,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 from . import cache as _cache
-from .actquant import (_u32_as_f32, absmax_bits, bf16_bits_to_f32, bf16_row, f32_to_bf16_bits, quant_row_i8,
+from .kernels.actquant import (_u32_as_f32, absmax_bits, bf16_bits_to_f32, bf16_row, f32_to_bf16_bits, quant_row_i8,
                        quant_row_i8_max)
 from .pool import (CTRL_STRIDE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN, JOB_WATCHDOG, atomic_add,
                    atomic_load, atomic_store, flag_load, flag_store, icall_codegen,

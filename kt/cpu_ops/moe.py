@@ -7,7 +7,7 @@ Legend: T tokens, E experts, K top-k, H hidden size, I expert intermediate size,
     h = moe.submit(x, topk_ids, topk_weights); ...; out = h.wait()
 
 The arithmetic lives in ``_moe_driver`` (written once for every ISA) and the GEMM micro-kernels
-that ``registry.lookup`` picks for this host; the work runs on a ``CpuPool`` (the default pool
+of the ``registry.KernelSet`` of this host; the work runs on a ``CpuPool`` (the default pool
 unless one is given). Scratch buffers belong to the pool and are shared by every layer on it.
 """
 from __future__ import annotations
@@ -25,45 +25,12 @@ from . import _align
 from .packing import BLOCK_N, PackedWeight, aligned_packed, int4_has_minus8, int4_ratio_table, pack
 from .pool import CpuPool, default_pool
 
-__all__ = ["CPUMoE", "MoEHandle", "GatedHandle", "GateResult", "gemv_max_rows"]
+__all__ = ["CPUMoE", "MoEHandle", "GatedHandle", "GateResult"]
 
 _SCHEME_CODE = {QuantScheme.INT8: drv.SCHEME_INT8, QuantScheme.INT4: drv.SCHEME_INT4,
                 QuantScheme.BF16: drv.SCHEME_BF16}
 MAX_CHUNKS_PER_JOB = 24
 DEFAULT_WATCHDOG_S = 600.0  # CPUMoE.watchdog_s
-
-
-def gemv_max_rows(scheme: QuantScheme, variant: str) -> int:
-    """Largest per-expert token count that uses the ``gemv`` kernel rather than ``gemm``
-    (a speed heuristic from tiling.py; correctness does not depend on it)."""
-    from . import isa, tiling
-
-    if variant not in isa.VARIANTS:
-        return 4
-    return tiling.gemv_max_m(scheme, variant)
-
-
-# ----------------------------------------------------------------------------- compiled jobs
-
-def _kernel_pair(scheme: QuantScheme, variant: str | None):
-    from . import registry
-
-    try:
-        gemv = registry.lookup("gemv", scheme, variant)
-    except NotImplementedError:
-        gemv = None
-    try:
-        gemm = registry.lookup("gemm", scheme, variant)
-    except NotImplementedError:
-        gemm = None
-    if gemv is None and gemm is None:
-        raise NotImplementedError(
-            f"no CPU GEMM kernel is registered for scheme {scheme.value} at or below variant "
-            f"{variant!r}; registered: {[(i.op, i.scheme.value, i.variant) for i in registry.registered()]}")
-    kv = (gemv or gemm).load()
-    km = (gemm or gemv).load()
-    # the gemv/gemm switch follows the large-M kernel's family (gemv may come from a lower ISA)
-    return kv, km, (gemm or gemv).variant
 
 
 # ----------------------------------------------------------------------------- input handling
@@ -310,59 +277,38 @@ class CPUMoE:
         self.chunk_tokens = chunk_tokens
         self.max_tokens = max_tokens
         self._pool = pool
+        from . import registry
+
         if kernels is not None:
             kv, km = kernels
-            self.variant = variant or "custom"
+            ks = registry.custom_kernel_set(self.scheme, kv, km, variant)
         else:
-            kv, km, self.variant = _kernel_pair(self.scheme, variant)
-        self._kv, self._km = kv, km  # (contract kernels: another layer may be built with them)
-        self._tabs, self._tab_m = None, False
-        if kernels is None and self.scheme is QuantScheme.INT4 and self.variant in ("amx", "avx512_vnni"):
-            from . import kernels_avx512
-
-            if kv is kernels_avx512.gemv_int4_pfl:  # (the decode kernel that has a table form)
-                self._tabs = self._int4_tables()
-            if self._tabs is not None:
-                # the decode kernel that reads the tables instead of the contract's group scales
-                kv = kernels_avx512.gemv_int4_tab
-            if self.variant == "amx":
-                from . import kernels_amx  # (importable only where AMX runs)
-            if self.variant == "amx" and (int4_has_minus8(self.w13) or int4_has_minus8(self.w2)):
-                # the AMX GEMM's ratio products r_g * q leave int8 for q = -8 (r_g >= 17): the
-                # per-group kernel, exact for every value
-                km = kernels_amx.gemm_int4_flush
-                if self._tabs is not None:
-                    warnings.warn("CPUMoE: these INT4 weights hold the value -8, which kt's "
-                                  "quantiser never writes ([-7, 7]); the fast AMX INT4 GEMM cannot "
-                                  "multiply it by its group ratio in int8, so this layer's prefill "
-                                  "runs the per-group AMX kernel instead (exact, slower)",
-                                  UserWarning, stacklevel=2)
-            elif self.variant == "amx" and self._tabs is not None:
-                # the prefill GEMM on the tables too
-                km, self._tab_m = kernels_amx.gemm_int4_tab, True
-        if kernels is None and self.scheme is QuantScheme.INT8 and self.variant == "amx":
-            from . import kernels_amx
-
-            if km is kernels_amx.gemm_int8:
-                # the layer's gate+up / down rows were last written by other cores: the form
-                # that requests them for writing early
-                km = kernels_amx.gemm_int8_shared_out
-        kys = None  # the down GEMM with non-temporal output stores, where km has that form
-        if kernels is None and self.variant == "amx":
-            from . import kernels_amx
-
-            kys = kernels_amx.STREAM_OUT_FORM.get(km)
+            ks = registry.kernel_set(self.scheme, variant)
+        self.kernels = ks
+        self.variant = ks.family
+        self._kv, self._km = ks.decode(), ks.prefill()  # (contract kernels: another layer may be built with them)
+        # INT4 ratio tables where the set has a kernel that reads them and the scales have the form
+        self._tabs = self._int4_tables() if ks.gemv_tab is not None else None
+        minus8 = ks.gemm_exact is not None and (int4_has_minus8(self.w13) or int4_has_minus8(self.w2))
+        forms = ks.layer_forms(self._tabs is not None, minus8)
+        if forms.warn_exact:
+            warnings.warn("CPUMoE: these INT4 weights hold the value -8, which kt's quantiser never "
+                          "writes ([-7, 7]); the fast INT4 prefill GEMM on ratio tables cannot "
+                          "multiply it by its group ratio in int8, so this layer's prefill runs the "
+                          "per-group kernel instead (exact, slower)", UserWarning, stacklevel=2)
+        self._tab_m = forms.prefill_tables
         code = _SCHEME_CODE[self.scheme]
-        self._kaddr = (drv.kernel_address(kv, code), drv.kernel_address(km, code))
+        self._kaddr = (drv.kernel_address(forms.decode, code), drv.kernel_address(forms.prefill, code))
         # the down GEMM of chunks whose outputs (y) take at least y_stream_bytes: the form with
-        # non-temporal stores, where the variant has one. Such a y (qwen3 T=2048: 134 MB) leaves
+        # non-temporal stores, where the set has one. Such a y (qwen3 T=2048: 134 MB) leaves
         # the caches before the combine reads it, so reading each line before writing it is
-        # wasted traffic. Device, 16 threads, interleaved (session 29): INT8 T=2048 14.38 vs
-        # 15.64 ms, INT4 18.44 vs 18.85; at T=512 (34 MB) level or slower on the device, hence
-        # the threshold. A tuning knob, settable between calls. (BF16: see RESULTS.md section 2.)
-        self._kaddr_ys = drv.kernel_address(kys, code) if kys is not None else 0
+        # wasted traffic. Device, 16 threads, interleaved (benchmarks/profile_moe.py): INT8
+        # T=2048 14.38 vs 15.64 ms, INT4 18.44 vs 18.85; at T=512 (34 MB) level or slower on the
+        # device, hence the threshold.
+        self._kaddr_ys = (drv.kernel_address(forms.prefill_stream, code)
+                          if forms.prefill_stream is not None else 0)
         self.y_stream_bytes = 64 << 20
-        self.gemv_max = gemv_max if gemv_max is not None else gemv_max_rows(self.scheme, self.variant)
+        self.gemv_max = gemv_max if gemv_max is not None else ks.gemv_max
         # 16-row blocks per (expert, rows) task of the gate+up and down phases; 0 = the driver's
         # heuristic (_moe_driver._blocks_per_task). A tuning knob, not needed for correctness.
         self.blocks_per_task = (0, 0)
@@ -506,7 +452,7 @@ class CPUMoE:
             out.append(w.data)
             if self.scheme is not QuantScheme.BF16:  # (BF16 kernels take no scales)
                 out.append(self._tabs[i] if self._tabs is not None else w.scale)
-            if self.scheme is QuantScheme.INT8 and self.variant != "amx":  # (vpdpbusd's offset)
+            if self.kernels.reads_wsum:  # (vpdpbusd's +128 offset)
                 out.append(w.wsum)
         return out
 
@@ -520,8 +466,8 @@ class CPUMoE:
         """(w13, w2) INT4 ratio tables (``packing.int4_ratio_table``: the group scales' ratio
         form, made once here instead of at every call by the AMX prefill kernel), or None if the
         scales are not of the quantiser's form (then the contract kernels run, on the scales).
-        The decode GEMV reads them on AVX-512 and AMX hosts (``kernels_avx512.gemv_int4_tab``),
-        and on AMX the prefill GEMM too (``kernels_amx.gemm_int4_tab``). A block of 16 rows and a
+        The decode GEMV reads them on AVX-512 and AMX hosts (``kernels.avx512.gemv_int4_tab``),
+        and on AMX the prefill GEMM too (``kernels.amx.int4.gemm_int4_tab``). A block of 16 rows and a
         group of 64 k hold 512 bytes of values and 64 of scales; the table adds 16 bytes of
         ratios (2.8 % more memory), and the kernels read those instead of the scales (8 % fewer
         bytes)."""

@@ -747,7 +747,7 @@ def test_int4_ratio_tables(pool):
     group scales, so decode agrees to fp32 rounding (1e-6 of the output's norm) and with the
     quantised reference as tightly as before. The tables cost 16 bytes per (block, group).
     Scales not of the ratio form leave the layer without tables; it still meets the reference."""
-    from kt.cpu_ops import kernels_amx as KA
+    from kt.cpu_ops.kernels.amx import int4 as KA
     from kt.cpu_ops.packing import int4_table_rows
 
     base, g, u, d = layer("int4", "amx", pool=pool)
@@ -787,8 +787,10 @@ def test_int4_ratio_tables(pool):
     "int8", "none", marks=pytest.mark.skip(reason="no CPU GEMM kernels registered yet"))])
 def test_expert_read_bytes(scheme, variant, pool):
     """The bytes a bandwidth floor counts per expert: the packed values and the scale form the kernels
-    read (an AMX or AVX-512 VNNI INT4 layer's ratio tables instead of its group scales; no scales
-    for BF16; the per-row sums for INT8 off AMX), never more than the expert holds."""
+    read (an INT4 layer's ratio tables instead of its group scales where its kernel set has a table
+    form: AMX and AVX-512 VNNI hosts; no scales for BF16; the per-row sums where a kernel of the set
+    reads them: the AVX-512 VNNI INT8 kernels, which AMX hosts decode with), never more than the
+    expert holds."""
     m = layer(scheme, variant, pool=pool)[0]
     E = m.num_experts
     data = (m.w13.data.nbytes + m.w2.data.nbytes) // E
@@ -799,9 +801,9 @@ def test_expert_read_bytes(scheme, variant, pool):
         assert got == data
     elif scheme == "int4":
         assert got == data + (scales if m._tabs is None else sum(t.nbytes for t in m._tabs) // E)
-        assert (m._tabs is not None) == (m.variant in ("amx", "avx512_vnni"))
+        assert (m._tabs is not None) == (m.kernels.gemv_tab is not None)
     else:
-        assert got == data + scales + (0 if m.variant == "amx" else sums)
+        assert got == data + scales + (sums if m.kernels.reads_wsum else 0)
     assert got <= m.expert_bytes()
 
 
@@ -837,7 +839,7 @@ def test_int4_ratio_tables_avx512(pool):
     """On an AVX-512 host without AMX (here: the avx512_vnni variant forced) only the decode GEMV
     reads the ratio tables; the prefill GEMM keeps the group scales. Both agree with the layer
     without tables to fp32 rounding and with the quantised reference."""
-    from kt.cpu_ops import kernels_avx512 as V
+    from kt.cpu_ops.kernels import avx512 as V
 
     base = layer("int4", "avx512_vnni", pool=pool)[0]
     assert base._tabs is not None and not base._tab_m and base._kv is V.gemv_int4_pfl

@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-from . import cache
+from .. import cache
 
 cache.install()
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import cache
+from .. import cache
 from ._simd import (
     as_f32x8, as_i8x32, bcast4_i32x8, cvt_i32_f32, load_f32x8, load_i8x32, load_i32x8, pf_next,
     pmaddubsw256, pmaddwd256, prefetch, splat_f32x8, splat_i16x16, splat_i32x8, store, vabs_i8,
     vadd, vand, vfma, vmul, vsign_i8, vsll, vsrl, vsub)
 from .actquant import group_sums
-from .tiling import gemm_m_chunk
+from ..tiling import gemm_m_chunk
 
 cache.install()
 
