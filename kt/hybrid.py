@@ -188,7 +188,7 @@ def hybrid_default_pool():
     import os
 
     from .config import get_config
-    from .cpu_ops.pool import CpuPool
+    from .cpu_ops.runtime.pool import CpuPool
 
     with _hybrid_pool_lock:
         if _hybrid_pool is None or _hybrid_pool.closed:

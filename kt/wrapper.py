@@ -43,7 +43,7 @@ _pools_lock = threading.Lock()
 
 def _shared_pool(threads: int | None):
     """One CpuPool per thread count, shared by every layer (as kt-kernel shares its CPUInfer)."""
-    from .cpu_ops.pool import CpuPool, default_pool
+    from .cpu_ops.runtime.pool import CpuPool, default_pool
 
     if threads is None:
         return default_pool()
@@ -151,7 +151,7 @@ class KTMoEWrapper:
 
     def load_weights(self, physical_to_logical_map=None):
         """Load this layer from the kt weight format at ``weight_path``."""
-        from .cpu_ops.moe import CPUMoE
+        from .cpu_ops.moe import CPUMoE, MoETuning
 
         if self.weight_path is None:
             raise ValueError("load_weights needs weight_path (a kt weight-format directory); "
@@ -165,12 +165,12 @@ class KTMoEWrapper:
             raise ValueError(f"{self.weight_path}: layer {self.layer_idx} is {lw.scheme.value}, but "
                              f"method={self.method!r} expects {self.scheme.value}")
         self._moe = self._split_numa(CPUMoE(lw.w13, lw.w2, pool=self._pool_arg(),
-                                            chunk_tokens=self.chunked_prefill_size))
+                                            tuning=MoETuning(chunk_tokens=self.chunked_prefill_size)))
 
     def load_weights_from_tensors(self, gate_proj, up_proj, down_proj, physical_to_logical_map=None):
         """gate_proj/up_proj [E, I, H], down_proj [E, H, I] (bf16/fp16/fp32, torch or numpy),
         indexed by logical expert; physical slot p of this layer holds logical expert map[p]."""
-        from .cpu_ops.moe import CPUMoE
+        from .cpu_ops.moe import CPUMoE, MoETuning
 
         E, H, I = self.num_experts, self.hidden_size, self.moe_intermediate_size
         for name, a, shp in (("gate_proj", gate_proj, (E, I, H)), ("up_proj", up_proj, (E, I, H)),
@@ -183,7 +183,7 @@ class KTMoEWrapper:
             gate_proj, up_proj, down_proj = (_take(a, p2l) for a in (gate_proj, up_proj, down_proj))
         moe = CPUMoE.from_tensors(gate_proj, up_proj, down_proj, scheme=self.scheme,
                                   group_size=self.group_size or 64, pool=self._pool_arg(),
-                                  chunk_tokens=self.chunked_prefill_size)
+                                  tuning=MoETuning(chunk_tokens=self.chunked_prefill_size))
         self._moe = self._split_numa(moe)
 
     def _split_numa(self, moe):
@@ -194,8 +194,8 @@ class KTMoEWrapper:
             return moe
         import warnings
 
-        from .cpu_ops import pool as _pool
-        from .cpu_ops.numa import NumaMoE
+        from .cpu_ops.runtime import pool as _pool
+        from .weights import numa_split
 
         nodes = _pool.numa_nodes()
         if self.numa_nodes is not None:
@@ -211,7 +211,7 @@ class KTMoEWrapper:
             return moe
         keys = sorted(nodes)[: self.threadpool_count]
         per = None if self.cpuinfer_threads is None else max(1, self.cpuinfer_threads // len(keys))
-        return NumaMoE.from_cpu_moe(moe, nodes={k: nodes[k] for k in keys}, threads_per_node=per)
+        return numa_split(moe, nodes={k: nodes[k] for k in keys}, threads_per_node=per)
 
     def _pool_arg(self):
         return None if self.cpuinfer_threads is None else self.pool

@@ -97,7 +97,7 @@ import numpy as np
 import llvmlite.binding as llvm
 from numba.core import config
 import kt.cpu_ops.moe  # installs the cache (and the vector width) before any compile
-from kt.cpu_ops import _moe_driver as drv
+from kt.cpu_ops.driver import rows as drv
 wide = bool(llvm.get_host_cpu_features().get("avx512f", False))
 print("flag", "-prefer-256-bit" in (config.CPU_FEATURES or ""), "wide", wide)
 gu = np.zeros((4, 64), np.float32)

@@ -68,7 +68,7 @@ def test_decode_submit_probe_tiny(tmp_path, monkeypatch):
 def test_read_job_reads_the_kernels_bytes():
     """The read covers read_arrays() of the experts asked for, and its span is measured."""
     from kt.cpu_ops.moe import CPUMoE
-    from kt.cpu_ops.pool import CpuPool
+    from kt.cpu_ops.runtime.pool import CpuPool
     from kt.testing import random_expert_weights
 
     pool = CpuPool(2)

@@ -199,7 +199,7 @@ def _hybrid_class():
 def _default_pool(cfg: PatchConfig):
     if cfg.pool is not None or cfg.threads is None or cfg.backend != "kt":
         return cfg.pool
-    from ..cpu_ops.pool import CpuPool
+    from ..cpu_ops.runtime.pool import CpuPool
 
     return CpuPool(cfg.threads)
 

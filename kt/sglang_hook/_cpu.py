@@ -15,7 +15,7 @@ __all__ = ["make_pool", "node_cpus"]
 
 def node_cpus(nodes) -> set[int]:
     """The CPUs of this thread's affinity set on NUMA ``nodes``; KTArgumentError if none."""
-    from ..cpu_ops.pool import numa_nodes
+    from ..cpu_ops.runtime.pool import numa_nodes
 
     have = numa_nodes(set(os.sched_getaffinity(0)))
     missing = [n for n in nodes if n not in have]
@@ -27,7 +27,7 @@ def node_cpus(nodes) -> set[int]:
 
 def make_pool(opts: KTOptions):
     """A CpuPool with ``--kt-cpuinfer`` threads (default: the CPUs of the chosen nodes, or all)."""
-    from ..cpu_ops.pool import CpuPool
+    from ..cpu_ops.runtime.pool import CpuPool
 
     if opts.kt_numa_nodes is None:
         return CpuPool(opts.kt_cpuinfer) if opts.kt_cpuinfer else CpuPool()

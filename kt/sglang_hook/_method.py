@@ -373,13 +373,14 @@ class KTMoEMethod(KTEPWrapperMethod):
 
     def _build_cpu(self):
         from ..cpu_ops.moe import CPUMoE
+        from ..weights import load_cpu_moe
 
         opts = self.options
         pool = _proc.get_pool(opts)
         E, H = self.global_num_experts, self.hidden_size
         I = self.model.intermediate
         if opts.kt_weight_path is not None:
-            cpu = CPUMoE.from_kt(opts.kt_weight_path, self.layer_id, pool=pool)
+            cpu = load_cpu_moe(opts.kt_weight_path, self.layer_id, pool=pool)
             src = opts.kt_weight_path
         else:
             st, self._stash = self._stash, None

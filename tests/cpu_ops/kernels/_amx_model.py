@@ -16,6 +16,7 @@ import numpy as np
 
 from kt import reference as ref
 
+AMX_SKIP = "host has no AMX (runs on the device machine: benchmarks/device_amx.py)"
 AMX_FILES = ("_tiles", "int8", "int4", "bf16", "roofline")
 # the names every AMX kernel file takes from kernels/amx/_intrinsics.py that the model replaces
 INTRINSICS = ("ldtilecfg", "tilerelease", "tilezero", "tileloadd64", "tileloaddt164", "tilestored64",
@@ -34,6 +35,12 @@ def _namespace(mods) -> types.SimpleNamespace:
             if not k.startswith("__"):
                 setattr(ns, k, v)
     return ns
+
+
+def amx_runnable() -> bool:
+    from kt.cpu_ops import isa
+
+    return "amx" in isa.runnable_variants()
 
 
 def amx_kernels() -> types.SimpleNamespace:

@@ -2,15 +2,7 @@
 the kernels on the tile unit model (runs everywhere)."""
 import pytest
 
-from kt.cpu_ops import isa
-
-from _amx_model import amx_kernels, emulated_kernels
-
-AMX_SKIP = "host has no AMX (runs on the device machine: benchmarks/device_amx.py)"
-
-
-def amx_runnable() -> bool:
-    return "amx" in isa.runnable_variants()
+from _amx_model import AMX_SKIP, amx_kernels, amx_runnable, emulated_kernels
 
 
 @pytest.fixture(scope="module")

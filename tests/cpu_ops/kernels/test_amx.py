@@ -26,7 +26,7 @@ from kt.testing import assert_exact
 from _amx_checks import (M_LIST, ND_LIST, U, check_int4_fallback, check_int4_partial_fallback,
                          check_slices, check_stream_out, check_streams, check_within, inputs,
                          int_ref, pad_cols, run_kernel)
-from conftest import AMX_SKIP, amx_runnable
+from _amx_model import AMX_SKIP, amx_runnable
 
 _COMPILE_ONLY = r"""
 import json, sys
@@ -280,7 +280,7 @@ def test_layer_takes_the_shared_output_int8_gemm():
     """An INT8 layer on AMX calls ``gemm_int8_shared_out`` (output lines requested for writing:
     its rows were last written by other cores) where the registry's ``gemm_int8`` does not."""
     import kt
-    from kt.cpu_ops import _moe_driver as drv
+    from kt.cpu_ops.driver import layout as drv
     from _amx_model import amx_kernels
 
     K = amx_kernels()
