@@ -14,6 +14,7 @@ from .. import cache
 
 cache.install()
 
+
 @intrinsic
 def _u32_as_f32(typingctx, v):
     """The low 32 bits of an integer, reinterpreted as fp32."""

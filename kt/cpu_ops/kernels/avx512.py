@@ -250,14 +250,14 @@ def gemv_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
     weight), and one fp32 product by s_row * xs ends the row, instead of a fp32 multiply-add by
     each group's scale. It reads 16 bytes of ratios per (block, group) where the scales take
     64: 8 % fewer bytes for a decode that runs at the memory bandwidth (the qwen3 INT4 layer at
-    T=1 / 4: 4-6 % faster on 2 dev threads and on the device's 16, session 21). It prefetches
+    T=1 / 4: 4-6 % faster on 2 dev threads and on the device's 16). It prefetches
     every line INT4_TAB_AHEAD bytes ahead into L2 (prefetcht1), not 4 KiB ahead into L1: the
     layers that have tables run on Intel hosts (AMX, AVX-512 VNNI), where that keeps more lines
-    in flight per core. qwen3 layer, T=1, interleaved (``benchmarks/cpu_decode_floor.py``,
-    session 23), min / median ms against L1 4 KiB: 2 dev threads 0.716 / 0.777 vs 0.785 / 0.834
-    and 0.832 / 0.957 vs 0.870 / 0.981, 1 dev thread 1.383 / 1.474 vs 1.492 / 1.585; on the
-    device's 16 threads level (two leases: 0.200 / 0.219 vs 0.206 / 0.227, 0.211 / 0.261 vs
-    0.213 / 0.245; L2 4 KiB 0.219 / 0.244 and 0.198 / 0.237). ``gemv_int4_pfl`` keeps L1, as
+    in flight per core. qwen3 layer, T=1, interleaved (``benchmarks/cpu_decode_floor.py``),
+    min / median ms against L1 4 KiB: 2 dev threads 0.716 / 0.777 vs 0.785 / 0.834 and 0.832 /
+    0.957 vs 0.870 / 0.981, 1 dev thread 1.383 / 1.474 vs 1.492 / 1.585; on the device's 16
+    threads level (two runs: 0.200 / 0.219 vs 0.206 / 0.227, 0.211 / 0.261 vs 0.213 / 0.245; L2
+    4 KiB 0.219 / 0.244 and 0.198 / 0.237). ``gemv_int4_pfl`` keeps L1, as
     tuned on Zen 4. Not a contract kernel: ``CPUMoE`` calls it with its tables."""
     _gemv_int4(xq, xs, data, tab, group_size, out, nb0, nb1, INT4_TAB_AHEAD, True,
                tab.reshape(-1).view(np.int8), True)

@@ -47,6 +47,7 @@ cache.install()
 _NO_XS = np.zeros(1, np.float32)  # xs / scale of a BF16 call of the shared INT8/BF16 bodies (unused)
 _NO_SCALE = np.zeros((1, 1, 16), np.float32)  # INT4 group scales of a call that does not read them
 
+
 @njit(nogil=True, cache=True)
 def _config(cfg, rows, kbytes):
     """GEMM config: C 0-3 rows x 64 B, A 4-5 rows x kbytes, B 6-7 kbytes/4 x 64 B."""
@@ -59,6 +60,7 @@ def _config(cfg, rows, kbytes):
     set_tilecfg(cfg, 6, kbytes // 4, 64)
     set_tilecfg(cfg, 7, kbytes // 4, 64)
     ldtilecfg(cfg)
+
 
 @njit(nogil=True, cache=True)
 def _config_gemv(cfg, rows, kbytes):
@@ -73,15 +75,17 @@ def _config_gemv(cfg, rows, kbytes):
         set_tilecfg(cfg, t, kbytes // 4, 64)
     ldtilecfg(cfg)
 
+
 @njit(nogil=True, cache=True)
 def default_mc(row_bytes):
     """Rows of an M chunk (a multiple of 32, at least 32): about 512 KiB of A (L2-resident), or
     up to 256 rows while that stays within 1 MiB. Every chunk streams the weights again: with
     128-row chunks (512 KiB of BF16 rows at D=2048) half the experts of a qwen3 T=2048 layer
     (128 +- 11 rows each) streamed their gate+up weights twice; 256 rows made the BF16 layer
-    7-9 % faster on the device (profile_moe variants mc192 / mc256, session 9)."""
+    7-9 % faster on the device (``benchmarks/profile_moe.py``, M chunks of 192 / 256 rows)."""
     budget = min(1 << 20, max(1 << 19, 256 * row_bytes))
     return max(budget // row_bytes // 32 * 32, 32)
+
 
 @njit(nogil=True, cache=True)
 def _pack_a(x, ks, kel):
@@ -97,7 +101,7 @@ def _pack_a(x, ks, kel):
             for c in range(kel):
                 a[m // 16, s, m % 16, c] = 0
     # in the packed order (each tile's 16 rows, then the next k-step): the writes stream, the
-    # reads are 16 row streams (1 MiB, M=512 K=2048: 45 vs 56 us row by row, dev, session 26)
+    # reads are 16 row streams (1 MiB, M=512 K=2048: 45 vs 56 us row by row, dev machine)
     for t in range((m_all + 15) // 16):
         r1 = min(16, m_all - t * 16)
         for s in range(ks):
@@ -105,12 +109,14 @@ def _pack_a(x, ks, kel):
                 copy64(a, ((t * ks + s) * 16 + i) * kel, x, (t * 16 + i) * xel + s * kel)
     return a
 
+
 @njit(nogil=True, cache=True)
 def _unpack_int4(data, src_line, nlines, dst, dst_off):
     """INT4 lines [src_line, src_line + nlines) of ``data`` (uint8, flat line index) -> signed int8
     k4 rows of ``dst`` from byte dst_off: line j gives rows 2j (low nibbles) and 2j+1 (high)."""
     for j in range(nlines):
         unpack_int4_line(data, (src_line + j) * 64, dst, dst_off + j * 128)
+
 
 @njit(nogil=True, cache=True)
 def _gemv_pf(a, data, out, nb0, nb1, pf, bf, xs, scale, l2):
@@ -194,14 +200,15 @@ def _gemv_pf(a, data, out, nb0, nb1, pf, bf, xs, scale, l2):
                                           xs[m0 + i])
     tilerelease()
 
+
 @njit(nogil=True, cache=True)
 def _pipe_pair_prefetch(b, nb0, nb1, blk, npan, ks, dist):
     """(first and second half's offsets, lines per half, lines per k-step) of the L2 prefetch
     while block pair b is computed: the pair ``dist`` pairs ahead, and at the first pair also
     every pair before it; zero lines when there is none (or dist is 0). The kernels use dist=2:
     one pair ahead was 10 % slower on the device with 16 threads and cold weights
-    (amx_panel_probe, session 9: INT8 gate+up 0.910 vs 0.818 TOPS per thread, down 0.657 vs
-    0.603, medians)."""
+    (``benchmarks/amx_panel_probe.py``: INT8 gate+up 0.910 vs 0.818 TOPS per thread, down 0.657
+    vs 0.603, medians)."""
     if dist <= 0:
         return 0, 0, 0, 0
     lo = (b + 2 if b == nb0 else b + 2 * dist) * blk
@@ -213,6 +220,7 @@ def _pipe_pair_prefetch(b, nb0, nb1, blk, npan, ks, dist):
     nlines = (tot + 1) // 2
     per = (tot + npan * ks - 1) // (npan * ks)
     return lo, lo + nlines * lw, nlines, per
+
 
 @njit(nogil=True, cache=True, inline="always")
 def _drain(out, ost, cp, cpf, st, q0, q1, bf, scale, xs, nt):
@@ -237,6 +245,7 @@ def _drain(out, ost, cp, cpf, st, q0, q1, bf, scale, xs, nt):
             else:
                 row16_scale_store(out, oi, cp, i * 32 + h, scale, st[4] + h, xs[pm + i])
 
+
 @njit(nogil=True, cache=True, inline="always")
 def _prefetch_w_rows(out, o, ost, rows, two, i, per):
     """Step i of requesting the output rows [o, o + rows * ost) for writing, per rows a step (both
@@ -247,6 +256,7 @@ def _prefetch_w_rows(out, o, ost, rows, two, i, per):
         prefetch_w(out, o + q * ost)
         if two:
             prefetch_w(out, o + q * ost + 16)
+
 
 @njit(nogil=True, cache=True)
 def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp, cpart, st,
@@ -260,7 +270,9 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
     rows, no cache-set conflicts). A panel's last slice stores its tiles into cp, and the next unit
     writes them out (``_drain``, a few rows after each k-step's first two products) while its own
     products run, so the epilogue overlaps the tile unit instead of stalling it. The panel loop is
-    software-pipelined as ``_pipe_panel``'s. per > 0: ``per`` lines per k-step of the L2 prefetch
+    software-pipelined: each tile load is issued right after the last product that reads its
+    register's previous contents and two products before its own use, so its latency hides behind
+    the products between (tile registers are not renamed). per > 0: ``per`` lines per k-step of the L2 prefetch
     of ``_pipe_pair_prefetch`` (pf0, pf1, nlines). pfw: request ownership of the output lines of
     a panel's last slice spread over its k-steps. nt: the drain's stores are non-temporal."""
     sa = 16 * line_elems(ap)          # elements per 1 KiB tile (constants: see line_elems)
@@ -355,6 +367,7 @@ def _staged_pair(ap, mc0, mc1, m_all, bd, o0, o1, ks, kcs, out, ost, n0, two, cp
                 tilestored64(2, cpart, ci + 512, 128)
                 tilestored64(3, cpart, ci + 528, 128)
 
+
 @njit(nogil=True, cache=True)
 def _staged_buffers(mc):
     """(cp, cpart, st) of the staged kernels: the staging panel, the partial sums of an M chunk
@@ -362,6 +375,7 @@ def _staged_buffers(mc):
     st = np.empty(5, np.int64)
     st[0] = -1
     return empty_line(1024, np.int32), empty_line((mc // 32) * 1024, np.int32), st
+
 
 @njit(nogil=True, cache=True)
 def _gemm_staged(a, data, out, nb0, nb1, mc, kcs, l2, pfw, nta, bf, xs, scale, nt):
@@ -396,13 +410,15 @@ def _gemm_staged(a, data, out, nb0, nb1, mc, kcs, l2, pfw, nta, bf, xs, scale, n
         sfence()
     tilerelease()
 
+
 @njit(nogil=True, cache=True)
 def _streams_out(out, m, nblocks):
     """Whether a GEMM writes its output with non-temporal stores: an output larger than 1 MiB
     (half the L2, which it leaves anyway; it then goes to memory without being read first) whose
     rows start on 64-byte boundaries (the stores fault otherwise). One core, M=512 N=1536 K=2048:
-    8-12 % faster than plain stores (dev, session 28)."""
+    8-12 % faster than plain stores (dev machine)."""
     return m * nblocks * 64 > 1 << 20 and _out_on_lines(out)
+
 
 @njit(nogil=True, cache=True)
 def _out_on_lines(out):

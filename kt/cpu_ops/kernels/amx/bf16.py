@@ -15,10 +15,12 @@ cache.install()
 __all__ = ["gemv_bf16", "gemm_bf16", "gemm_bf16_stream_out", "gemv_bf16_pf", "gemm_bf16_staged",
            "AMX_MODE"]
 
+
 @njit(nogil=True, cache=True)
 def gemv_bf16_pf(xb, data, out, nb0, nb1, pf):
     """``gemv_bf16`` with an explicit B prefetch distance of pf k-steps (0: none)."""
     _gemv_pf(xb, data, out, nb0, nb1, pf, True, _NO_XS, _NO_XS, False)
+
 
 @njit(nogil=True, cache=True)
 def gemv_bf16(xb, data, out, nb0, nb1):
@@ -28,6 +30,7 @@ def gemv_bf16(xb, data, out, nb0, nb1):
     """
     gemv_bf16_pf(xb, data, out, nb0, nb1, 4)
 
+
 @njit(nogil=True, cache=True)
 def gemm_bf16_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw, nta):
     """Large-M BF16 with the staged kernel of ``gemm_int8_staged`` (tdpbf16ps, 32 k per step;
@@ -35,14 +38,15 @@ def gemm_bf16_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw, nta):
     ``gemm_bf16``'s panels)."""
     _gemm_staged(xb, data, out, nb0, nb1, mc, kcs, l2, pfw, nta, True, _NO_XS, _NO_XS, False)
 
+
 @njit(nogil=True, cache=True)
 def gemm_bf16(xb, data, out, nb0, nb1):
     """Large-M BF16 (same contract as ``gemv_bf16``): the staged kernel, K slices of 16 k-steps
-    (32 k each), the L2 prefetch one block pair ahead as the pipelined kernel before it had it (at
-    T=2048 one ahead was 3-5 % faster than two on three leases of four, sessions 14-15). One core,
-    M=512 (session 18, dev): 1.1x / 1.2x the pipelined ``gemm_bf16_pipe`` (gate+up / down); the
-    16-thread layer the same within 3 %."""
+    (32 k each), the L2 prefetch one block pair ahead (at T=2048 one ahead was 3-5 % faster than
+    two in three device runs of four). One core, M=512 (dev machine): 1.1x / 1.2x a whole-K
+    software-pipelined panel (gate+up / down); the 16-thread layer the same within 3 %."""
     gemm_bf16_staged(xb, data, out, nb0, nb1, default_mc(2 * xb.shape[1]), 16, 1, True, True)
+
 
 @njit(nogil=True, cache=True)
 def gemm_bf16_stream_out(xb, data, out, nb0, nb1):

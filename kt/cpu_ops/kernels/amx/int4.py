@@ -38,6 +38,7 @@ __all__ = ["gemv_int4", "gemm_int4", "gemm_int4_flush", "gemm_int4_tab", "gemm_i
            "gemv_int4_pf", "gemm_int4_blocked", "gemm_int4_staged", "gemm_int4_inline",
            "INT4_INLINE_MAX_M", "AMX_MODE"]
 
+
 @njit(nogil=True, cache=True)
 def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """Small-M INT4: out[m, n] = xs[m] * sum_g scale[n, g] * sum_{k in g} xq[m, k] q[n, k].
@@ -46,6 +47,7 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     scale fp32 [NB, d_pad/G, 16]; group_size G in {32, 64, 128}; out fp32 [M, >= 16 nb1].
     """
     gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1, 0)
+
 
 @njit(nogil=True, cache=True)
 def gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1, pfg):
@@ -118,12 +120,13 @@ def gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1, pfg):
                     row16_mul_store(out, (m0 + i) * ost + n0 + 16 * q, acc, i * 64 + 16 * q, xm)
     tilerelease()
 
+
 @njit(nogil=True, cache=True)
 def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, l2, pfw):
     """Large-M INT4 with explicit blocking: mc rows per M chunk (multiple of 32), kc K per slice
     (a multiple of 64 and of G); l2: while a (block pair, K slice) is computed, prefetch the
     packed lines of the next one into L2 (cold weights); pfw: during a panel's last K slice,
-    prefetch its output lines for writing (as ``gemm_int8_pipe``). Same result as
+    prefetch its output lines for writing (outputs other cores wrote last). Same result as
     ``gemv_int4``."""
     g = group_size
     tk = min(g, 64)
@@ -218,6 +221,7 @@ def gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, mc, kc, l2
                                                 (lr + i) * 32 + 16, xm)
     tilerelease()
 
+
 @njit(nogil=True, cache=True)
 def _block_ratios(scale, b, lb, srow, rx, m, inv):
     """``_int4_ratios`` for block b alone, stored as the lb-th block of srow / rx (m, inv: 16-float
@@ -236,6 +240,7 @@ def _block_ratios(scale, b, lb, srow, rx, m, inv):
             return False
     return True
 
+
 @njit(nogil=True, cache=True)
 def _int4_ratios(scale, nb0, nb1, srow, rx):
     """Whether every group scale of blocks [nb0, nb1) is s_row * r_g with r_g an integer in
@@ -249,6 +254,7 @@ def _int4_ratios(scale, nb0, nb1, srow, rx):
             return False
     return True
 
+
 @njit(nogil=True, cache=True, inline="always")
 def _unpack_kstep(data, b, lines, s, lpg, ng, lb, rx, bs, bo):
     """k-step s of packed INT4 block b (its 8 lines) -> the 1 KiB int8 tile r_g * q at bs[bo:]
@@ -260,6 +266,7 @@ def _unpack_kstep(data, b, lines, s, lpg, ng, lb, rx, bs, bo):
     else:
         unpack_int4_group_mul(data, src, bs, bo, rx, (lb * ng + 2 * s) * 16, 4)
         unpack_int4_group_mul(data, src + 256, bs, bo + 512, rx, (lb * ng + 2 * s + 1) * 16, 4)
+
 
 @njit(nogil=True, cache=True)
 def _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk):
@@ -276,12 +283,17 @@ def _unpack_pair_ratio(data, b, nb0, nb1, ng, lpg, rx, bs, blk):
                     prefetch_l2(data, (nxt * lines + 8 * s + i) * 64)
             _unpack_kstep(data, b + q, lines, s, lpg, ng, b + q - nb0, rx, bs, q * blk + s * 1024)
 
+
 @njit(nogil=True, cache=True)
 def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs, pfw, nta, nt=False):
-    """``gemm_int4_ratio`` with the staged INT8 loop (``_staged_pair``, K slices of at most kcs
-    k-steps) in place of the whole-K pipelined panel: each block pair is unpacked to r_g * q once
-    per M chunk, then multiplied slice by slice. nt: non-temporal output stores (out's rows must
-    start on 64-byte lines: the caller checks). Same result as ``gemm_int4_ratio``."""
+    """Large-M INT4 for scales of the form s_row * r_g (``_int4_ratios`` gives srow and rx): each
+    block pair's nibbles are unpacked to the int8 values r_g * q (exact: |r_g q| <= 126), once per
+    M chunk of mc rows, and multiplied as INT8 by the staged loop (``_staged_pair``, K slices of
+    at most kcs k-steps); the int32 sums over all of K are scaled by xs[m] * s_row[n]. No
+    per-group flush: the same sum as ``gemv_int4`` (sum_g s_row r_g sum_k x q), exact up to the
+    fp32 epilogue. While a pair is unpacked, the pair two blocks on is prefetched into L2. pfw,
+    nta as ``int8.gemm_int8_staged``; nt: non-temporal output stores (out's rows must start on
+    64-byte lines: the caller checks)."""
     g = group_size
     ks = xq.shape[1] // 64
     ng = xq.shape[1] // g
@@ -309,6 +321,7 @@ def gemm_int4_staged(xq, xs, data, group_size, srow, rx, out, nb0, nb1, mc, kcs,
         sfence()
     tilerelease()
 
+
 @njit(nogil=True, cache=True)
 def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep=False, nt=False):
     """Small-M INT4 (the experts of a prefill layer: tens of rows) on ratio scales, as
@@ -323,6 +336,7 @@ def gemm_int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw,
     unpack still overlaps the first panel's products, once per pair). nt as
     ``gemm_int4_staged``. Same result as ``gemm_int4_staged``."""
     _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, _NO_SCALE, False, nt)
+
 
 @njit(nogil=True, cache=True)
 def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, keep, scale, lazy, nt):
@@ -436,6 +450,7 @@ def _int4_inline(xq, xs, data, group_size, srow, rx, out, nb0, nb1, l2, pfw, kee
 # the most rows gemm_int4 gives its inline kernel (keep mode); more go to the staged kernel
 INT4_INLINE_MAX_M = 128
 
+
 @njit(nogil=True, cache=True)
 def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     """Large-M INT4 (same contract as ``gemv_int4``). Scales of the quantiser's form s_row * r_g
@@ -443,11 +458,12 @@ def gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
     with no per-group flush; up to 128 rows (four panels) ``gemm_int4_inline``, which unpacks as it
     multiplies (one core, M=20-32, cold weights: 1.2-1.5x the staged kernel, medians), its first
     panel keeping the unpacked pair for the others (the qwen3 INT4 layer on two threads, T=512 /
-    2048: 7.5 / 10 % faster than with the staged kernel above 32 rows, session 20) and making each
+    2048: 7.5 / 10 % faster than with the staged kernel above 32 rows) and making each
     block pair's ratios as it reaches the pair. Other scales (weights quantised elsewhere):
     ``gemm_int4_blocked``, 2x2 tiles with the per-group fp32 flush, from the first pair whose
     scales are not of the ratio form on."""
     _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, 1)
+
 
 @njit(nogil=True, cache=True)
 def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2):
@@ -466,32 +482,37 @@ def _gemm_int4(xq, xs, data, scale, group_size, out, nb0, nb1, l2):
     if nb0 < nb1:
         gemm_int4_flush(xq, xs, data, scale, group_size, out, nb0, nb1)
 
+
 @njit(nogil=True, cache=True)
 def gemm_int4_flush(xq, xs, data, scale, group_size, out, nb0, nb1):
     """Large-M INT4 (the ``gemm_int4`` contract) on the per-group flush kernel alone
     (``gemm_int4_blocked``): exact for every stored value, -8 included, which the ratio kernels'
-    int8 products r_g * q cannot hold for r_g >= 17 (``packing.int4_has_minus8``). Not
-    registered: ``CPUMoE`` and ``gemm.linear`` take it for weights holding -8, and ``gemm_int4``
-    for the blocks whose scales are not of the ratio form."""
+    int8 products r_g * q cannot hold for r_g >= 17 (``packing.int4_has_minus8``). The AMX INT4
+    set's "exact" form (``registry``): ``CPUMoE`` and ``gemm.linear`` take it for weights holding
+    -8, and ``gemm_int4`` for the blocks whose scales are not of the ratio form."""
     kc = max(512, group_size)
     gemm_int4_blocked(xq, xs, data, scale, group_size, out, nb0, nb1, default_mc(xq.shape[1]), kc,
                       True, True)
 
+
 @njit(nogil=True, cache=True)
 def gemm_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
     """``gemm_int4`` on a matrix's ratio table (``packing.int4_ratio_table``: tab [1, rows, 16]
-    in place of the group scales): the inline kernel up to ``INT4_INLINE_MAX_M`` rows, the staged kernel
-    above, with the ratios read instead of made, and 16 bytes of them per (block, group) read
-    instead of 64 of scales. The qwen3 INT4 layer with it, against ``gemm_int4`` (interleaved,
-    session 21): T=512 9-11 % faster on 2 dev threads and 8-9 % on the device's 16, T=2048 0-4 %.
+    in place of the group scales): the inline kernel up to ``INT4_INLINE_MAX_M`` rows, the staged
+    kernel above, with the ratios read instead of made, and 16 bytes of them per (block, group)
+    read instead of 64 of scales. The qwen3 INT4 layer with it, against ``gemm_int4``
+    (interleaved, ``benchmarks/bench_moe.py``): T=512 9-11 % faster on 2 dev threads and 8-9 % on
+    the device's 16, T=2048 0-4 %.
     Same result as ``gemm_int4``. Not a contract kernel: ``CPUMoE`` calls it with its tables."""
     _int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1, False)
+
 
 @njit(nogil=True, cache=True)
 def gemm_int4_tab_stream_out(xq, xs, data, tab, group_size, out, nb0, nb1):
     """``gemm_int4_tab`` with non-temporal stores whenever the output rows start on 64-byte
     lines, as ``gemm_int8_stream_out``: for the MoE layer's down outputs of a large chunk."""
     _int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1, _out_on_lines(out))
+
 
 @njit(nogil=True, cache=True)
 def _int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1, stream):

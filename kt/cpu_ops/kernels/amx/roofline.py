@@ -13,13 +13,14 @@ cache.install()
 
 __all__ = ["peak_int8", "peak_bf16", "AMX_MODE"]
 
+
 @njit(nogil=True, cache=True)
 def _peak(iters, bf, zero):
     """The tile-resident product loop of ``peak_int8`` / ``peak_bf16``: four accumulators, four
     input tiles zeroed (``zero``) or loaded once from pseudo-random data (bf16: values of
     magnitude [1, 2), random signs and mantissas).
 
-    Measured on the device (session 3, ``benchmarks/results/amx_diag_s3_run7_peaks.json``): the
+    Measured on the device (``benchmarks/amx_diag.py``): the
     random-tile loop runs at 0.6x the zero-tile one on one core and 0.7x on all 16, and slower
     than GEMM panels that multiply random data between tile loads, so back-to-back products on
     random data are power-limited. The zero-tile rate is the highest measured, so it is the
@@ -66,11 +67,13 @@ def _peak(iters, bf, zero):
     tilerelease()
     return iters * 4 * 2 * 16 * 16 * (32 if bf else 64)
 
+
 @njit(nogil=True, cache=True)
 def peak_int8(iters, zero=True):
     """Tile-resident tdpbssd loop (no memory traffic) on zeroed tiles (``zero=False``: random
     int8 tiles, see ``_peak``); returns the integer ops done (2 per MAC)."""
     return _peak(iters, False, zero)
+
 
 @njit(nogil=True, cache=True)
 def peak_bf16(iters, zero=True):
