@@ -202,7 +202,7 @@ class Ctx:
         return self.sets[scheme]
 
     def cpu_moe_list(self, scheme: str):
-        from kt.cpu_ops.moe import CPUMoE
+        from kt.cpu_ops import CPUMoE
 
         if scheme not in self.cpu_moes:
             kern = self.cpu_kernels.get(scheme)

@@ -33,8 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_moe import _copy  # noqa: E402  (this script's folder is on sys.path)
-from kt.cpu_ops.moe import CPUMoE  # noqa: E402
-from kt.cpu_ops.pool import CpuPool  # noqa: E402
+from kt.cpu_ops import CpuPool, CPUMoE  # noqa: E402
 
 SCHEMES = {"int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE", "bf16": "AMXBF16_MOE"}
 

@@ -46,7 +46,7 @@ from _e2e_measure import run_config  # noqa: E402
 from _e2e_report import MD_NAME, make_plots, markdown, parse_config  # noqa: E402
 from _e2e_run import Clock, Ctx, Results, Watchdog, host_read_bandwidth, rss_gib  # noqa: E402
 from _results import add_out_arguments, out_dir  # noqa: E402
-from kt.cpu_ops.pool import CpuPool  # noqa: E402
+from kt.cpu_ops import CpuPool  # noqa: E402
 from kt.testing.e2e_model import QWEN3_30B_A3B, TINY, DenseWeights, Model  # noqa: E402
 
 # Priority order: the lead's run may stop anywhere in this list (--budget-s).

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import add_out_arguments, out_dir, write_result  # noqa: E402
 from kt.config import QuantScheme  # noqa: E402
 from kt.cpu_ops import gemm, isa, packing, registry, tiling  # noqa: E402
-from kt.cpu_ops._simd import (  # noqa: E402
+from kt.cpu_ops.kernels._simd import (  # noqa: E402
     bcast4_i32x8, bcast4_i32x16, dpbf16ps512, load_i32x16, pmaddubsw256, pmaddwd256, splat_f32x16, splat_f32x8,
     prefetch_l2, splat_i16x16, splat_i32x16, splat_i32x8, store, vadd, vfma, vor, vpdpbusd512)
 
@@ -278,7 +278,7 @@ def measure_peaks(variants: list[str]) -> dict:
     peaks["avx2_int8_TOPS"] = best(_peak_avx2_int8, seed8)
     peaks["fma256_fp32_TFLOPS"] = best(_peak_fma256, np.ones(1, np.float32))
     if "amx" in variants:
-        from kt.cpu_ops import kernels_amx
+        from kt.cpu_ops.kernels.amx import roofline as kernels_amx
 
         # fn(iters, zero) -> ops done, tiles resident: zeroed tiles (the highest rate, the peak the
         # roofline uses) and random ones (the data a GEMM multiplies: reported beside it)
@@ -370,7 +370,7 @@ def time_case(scheme, kvariants, m, n, d, reps, rng) -> list[dict]:
     out = huge_empty((m, p0.n_pad), np.float32)
     ops = {}
     for v in kvariants:
-        tile = tiling.choose(m, n, d, scheme, v)
+        tile = tiling.choose(m, n, d, registry.kernel_set(scheme, v))
         ops[v] = (tile.op, gemm.kernel_for(tile.op, scheme, v))
         gemm.launch(ops[v][1], p0, bufs, out)  # compile / warm
     times = {v: [] for v in kvariants}

@@ -38,8 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _results import add_out_arguments, out_dir, write_result  # noqa: E402
 from kt import reference as ref  # noqa: E402
-from kt.cpu_ops.moe import CPUMoE  # noqa: E402
-from kt.cpu_ops.pool import CpuPool  # noqa: E402
+from kt.cpu_ops import CpuPool, CPUMoE  # noqa: E402
 from kt.layer import HybridMoE  # noqa: E402
 
 E, K, H, I = 128, 8, 2048, 768

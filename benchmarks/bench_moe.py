@@ -47,9 +47,9 @@ from _results import add_out_arguments, out_dir, write_result  # noqa: E402
 from bench_gemm import all_thread_bandwidth, measure_bandwidth, measure_peaks, peak_for  # noqa: E402
 from kt.config import QuantScheme  # noqa: E402
 from kt.cpu_ops import isa  # noqa: E402
-from kt.cpu_ops.moe import CPUMoE, _pack_stack  # noqa: E402
+from kt.cpu_ops import CpuPool, CPUMoE  # noqa: E402
+from kt.cpu_ops._moe_io import _pack_stack  # noqa: E402
 from kt.cpu_ops.packing import PackedWeight  # noqa: E402
-from kt.cpu_ops.pool import CpuPool  # noqa: E402
 
 SHAPES = {  # E, K, H, I
     "qwen3-30b-a3b": (128, 8, 2048, 768),

@@ -42,10 +42,10 @@ from _results import add_out_arguments, out_dir, write_result  # noqa: E402
 from bench_gemm import _read_slice  # noqa: E402
 from bench_moe import SHAPES, _copy, add_shape, build_layer, check_shape, routing  # noqa: E402
 from kt.config import QuantScheme  # noqa: E402
-from kt.cpu_ops._moe_driver import _ptr, cycles  # noqa: E402
-from kt.cpu_ops.moe import CPUMoE, tsc_hz  # noqa: E402
-from kt.cpu_ops.pool import (CTRL_STRIDE, DESC_SIZE, JOB_COMPLETE, JOB_FREE, JOB_JOIN, CpuPool,  # noqa: E402
-                             atomic_add, atomic_store)
+from kt.cpu_ops import CpuPool, CPUMoE  # noqa: E402
+from kt.cpu_ops.runtime.atomics import atomic_add, atomic_store, cycles, tsc_hz  # noqa: E402
+from kt.cpu_ops.runtime.native import ptr as _ptr  # noqa: E402
+from kt.cpu_ops.runtime.worker import CTRL_STRIDE, DESC_SIZE, JOB_COMPLETE, JOB_FREE, JOB_JOIN  # noqa: E402
 
 CHUNK = 64 << 10
 PF = 4096

@@ -14,7 +14,7 @@ _LAZY = {
     "cpu_variant": "kt.cpu_ops.isa:cpu_variant",
     "clear_cache": "kt.cpu_ops.cache:clear_cache",
     "UnsupportedVariantError": "kt.cpu_ops.isa:UnsupportedVariantError",
-    "CpuPool": "kt.cpu_ops.pool:CpuPool",
+    "CpuPool": "kt.cpu_ops.runtime.pool:CpuPool",
     "CPUMoE": "kt.cpu_ops.moe:CPUMoE",
     "NumaMoE": "kt.cpu_ops.numa:NumaMoE",
     "KTMoEWrapper": "kt.compat:KTMoEWrapper",

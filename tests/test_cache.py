@@ -4,20 +4,33 @@ import shutil
 from kt.cpu_ops import cache
 
 
-def test_editing_any_kernel_source_changes_the_key(tmp_path):
-    files = []
-    for p in cache.kernel_source_files():
-        dst = tmp_path / p.name
-        shutil.copy(p, dst)
-        files.append(dst)
-    k0 = cache.cache_key("avx2", files)
-    assert k0 == cache.cache_key("avx2", files)
-    # edit a helper module (not the kernel's own file): Numba's own cache would miss this
-    target = next(f for f in files if f.name == "packing.py")
+def test_editing_or_moving_any_kernel_source_changes_the_key(tmp_path):
+    """The key hashes every .py under kt/cpu_ops, subfolders included, by relative path and
+    content: editing a helper module (Numba's own cache would miss that), editing a file in a
+    subfolder, and moving a file between folders each give a new key."""
+    root = tmp_path / "cpu_ops"
+    shutil.copytree(cache._KERNEL_DIR, root,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert [p.relative_to(root) for p in cache.kernel_source_files(root)] == \
+        [p.relative_to(cache._KERNEL_DIR) for p in cache.kernel_source_files()]
+    k0 = cache.cache_key("avx2", root)
+    assert k0 == cache.cache_key("avx2", root) == cache.cache_key("avx2")
+    target = root / "packing.py"
     target.write_text(target.read_text() + "\n# edited\n")
-    k1 = cache.cache_key("avx2", files)
+    k1 = cache.cache_key("avx2", root)
     assert k1 != k0
-    assert cache.cache_key("avx512_bf16", files) != k1
+    assert cache.cache_key("avx512_bf16", root) != k1
+    sub = root / "sub" / "deeper"
+    sub.mkdir(parents=True)
+    (sub / "mod.py").write_text("X = 1\n")
+    k2 = cache.cache_key("avx2", root)
+    assert k2 != k1
+    (sub / "mod.py").write_text("X = 2\n")
+    k3 = cache.cache_key("avx2", root)
+    assert k3 != k2
+    (root / "sub" / "mod.py").write_bytes((sub / "mod.py").read_bytes())  # moved up one folder
+    (sub / "mod.py").unlink()
+    assert cache.cache_key("avx2", root) not in (k0, k1, k2, k3)
 
 
 def test_key_names_toolchain_and_variant():
@@ -65,7 +78,7 @@ def test_kernels_are_cached_under_the_kt_key(tmp_path):
 
     code = ("import numpy as np\n"
             "from kt.cpu_ops import cache\n"
-            "from kt.cpu_ops.actquant import quantize_rows\n"
+            "from kt.cpu_ops.kernels.actquant import quantize_rows\n"
             "x = np.ones((2, 64), np.float32); xq = np.zeros((2, 64), np.int8); xs = np.zeros(2, np.float32)\n"
             "quantize_rows(x, xq, xs)\n"
             "print(cache.kernel_cache_dir())\n")
@@ -84,7 +97,7 @@ import numpy as np
 import llvmlite.binding as llvm
 from numba.core import config
 import kt.cpu_ops.moe  # installs the cache (and the vector width) before any compile
-from kt.cpu_ops import _moe_driver as drv
+from kt.cpu_ops.driver import rows as drv
 wide = bool(llvm.get_host_cpu_features().get("avx512f", False))
 print("flag", "-prefer-256-bit" in (config.CPU_FEATURES or ""), "wide", wide)
 gu = np.zeros((4, 64), np.float32)

@@ -119,7 +119,7 @@ def test_registry_prefers_the_measured_faster_decode_kernels_on_amx_hosts():
             for op in ("gemv", "gemm") for s in ("int8", "int4", "bf16")}
     assert pick[("gemv", "int8")] == "avx512_vnni"
     for v in ("amx", "avx512_vnni"):
-        assert registry.lookup("gemv", "int4", v).target == "kt.cpu_ops.kernels_avx512:gemv_int4_pfl"
+        assert registry.lookup("gemv", "int4", v).target == "kt.cpu_ops.kernels.avx512:gemv_int4_pfl"
     assert pick[("gemv", "bf16")] == "amx"
     assert all(pick[("gemm", s)] == "amx" for s in ("int8", "int4", "bf16"))
     assert registry.lookup("gemv", "int8", "avx2").variant == "avx2"

@@ -34,7 +34,7 @@ def _run(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from ..cpu_ops.pool import CpuPool
+    from ..cpu_ops.runtime.pool import CpuPool
 
     if args.shape not in _SHAPES:
         raise ValueError(f"unknown shape {args.shape!r}; choose from {sorted(_SHAPES)}")

@@ -73,7 +73,7 @@ def _launch_table(gpu: dict) -> str:
 def collect() -> dict:
     """Everything doctor reports, as plain data."""
     from ..config import get_config
-    from ..cpu_ops import cache, isa
+    from ..cpu_ops import cache, isa, registry
 
     info: dict = {"kt_version": None, "python": sys.version.split()[0],
                   "platform": platform.platform()}
@@ -95,6 +95,14 @@ def collect() -> dict:
     except isa.UnsupportedVariantError as exc:
         cpu["variant"], cpu["variant_reason"] = None, str(exc)
         variant_error = str(exc)
+    # the kernels (and their forms) the registry picks for each scheme on this host's variant
+    cpu["kernels"] = {}
+    if cpu["variant"]:
+        for scheme in ("int8", "int4", "bf16"):
+            try:
+                cpu["kernels"][scheme] = registry.kernel_set(scheme, cpu["variant"]).describe()
+            except NotImplementedError as exc:
+                cpu["kernels"][scheme] = f"none: {exc}"
     info["cpu"] = cpu
     mem = _meminfo()
     info["memory"] = {"total_bytes": mem.get("MemTotal"), "available_bytes": mem.get("MemAvailable")}
@@ -155,6 +163,8 @@ def render(info: dict) -> str:
     for w in c.get("variant_warnings", []):
         lines.append(f"  warning        {w}")
     lines.append(f"  runnable       {', '.join(c['runnable_variants']) or 'none'}")
+    for scheme, forms in c.get("kernels", {}).items():
+        lines.append(f"  {scheme} kernels   {forms}")
     if c.get("vector_loops_512") is not None:
         lines.append("  vector loops   " + ("512-bit (kt asks LLVM for zmm; NUMBA_CPU_FEATURES unset)"
                                           if c["vector_loops_512"] else

@@ -101,10 +101,10 @@ def numa_split(moe, threadpool_count: int, numa_nodes, threads):
     fewer nodes, a warning and ``moe`` itself."""
     if threadpool_count <= 1:
         return moe
-    from ..cpu_ops import pool as _pool
-    from ..cpu_ops.numa import NumaMoE
+    from ..cpu_ops.runtime import pool
+    from ..weights import numa_split as split
 
-    nodes = _pool.numa_nodes()
+    nodes = pool.numa_nodes()
     if numa_nodes is not None:
         want = [int(n) for n in numa_nodes]
         missing = [n for n in want if n not in nodes]
@@ -118,4 +118,4 @@ def numa_split(moe, threadpool_count: int, numa_nodes, threads):
         return moe
     keys = sorted(nodes)[:threadpool_count]
     per = None if threads is None else max(1, threads // len(keys))
-    return NumaMoE.from_cpu_moe(moe, nodes={k: nodes[k] for k in keys}, threads_per_node=per)
+    return split(moe, nodes={k: nodes[k] for k in keys}, threads_per_node=per)

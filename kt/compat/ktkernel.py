@@ -73,7 +73,7 @@ class KTMoEWrapper:
     def pool(self):
         """The CpuPool of this wrapper's thread count, shared by every layer (as kt-kernel shares
         its CPUInfer)."""
-        from ..cpu_ops.pool import default_pool
+        from ..cpu_ops import default_pool
 
         return default_pool(self.cpuinfer_threads)
 
@@ -84,7 +84,7 @@ class KTMoEWrapper:
 
     def load_weights(self, physical_to_logical_map=None):
         """Load this layer from the kt weight format at ``weight_path``."""
-        from ..cpu_ops.moe import CPUMoE
+        from ..cpu_ops import CPUMoE, MoETuning
         from ..weights import load_experts
 
         if self.weight_path is None:
@@ -96,12 +96,13 @@ class KTMoEWrapper:
         if lw.scheme is not self.scheme:
             raise ValueError(f"{self.weight_path}: layer {self.layer_idx} is {lw.scheme.value}, but "
                              f"method={self.method!r} expects {self.scheme.value}")
-        self._set_moe(CPUMoE(lw.w13, lw.w2, pool=self._pool_arg(), chunk_tokens=self.chunked_prefill_size))
+        self._set_moe(CPUMoE(lw.w13, lw.w2, pool=self._pool_arg(),
+                             tuning=MoETuning(chunk_tokens=self.chunked_prefill_size)))
 
     def load_weights_from_tensors(self, gate_proj, up_proj, down_proj, physical_to_logical_map=None):
         """gate_proj/up_proj [E, I, H], down_proj [E, H, I] (bf16/fp16/fp32, torch or numpy),
         indexed by logical expert; physical slot p of this layer holds logical expert map[p]."""
-        from ..cpu_ops.moe import CPUMoE
+        from ..cpu_ops import CPUMoE, MoETuning
 
         E, H, I = self.num_experts, self.hidden_size, self.moe_intermediate_size
         mats = [tensor_arg(name, a, shp, layout) for name, a, shp, layout in (
@@ -111,7 +112,8 @@ class KTMoEWrapper:
         if p2l is not None and not np.array_equal(p2l, np.arange(E)):
             mats = [a[torch.as_tensor(p2l, device=a.device)] for a in mats]
         self._set_moe(CPUMoE.from_tensors(*mats, scheme=self.scheme, group_size=self.group_size or 64,
-                                          pool=self._pool_arg(), chunk_tokens=self.chunked_prefill_size))
+                                          pool=self._pool_arg(),
+                                          tuning=MoETuning(chunk_tokens=self.chunked_prefill_size)))
 
     def _set_moe(self, moe) -> None:
         """kt-kernel's ``threadpool_count`` > 1 means one sub-pool per NUMA node: the layer is

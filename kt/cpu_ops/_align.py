@@ -3,11 +3,11 @@
 The kernels read and write 64-byte rows: an AMX tile row, a zmm register, a 16-float output row.
 NumPy's and Numba's allocators start small and medium arrays 16 or 32 bytes past a line boundary,
 so every such row then straddles two lines: twice the L1/L2 accesses per tile load and split
-stores. On the device (Emerald Rapids, session 8, ``benchmarks/amx_panel_probe.py``) 64-byte
+stores. On the device (Emerald Rapids, ``benchmarks/amx_panel_probe.py``) 64-byte
 aligned weights, packed activations and outputs made the INT8 AMX GEMM 1.25-1.5x faster on one
 core and on all 16 (qwen3 gate+up and down shapes, warm and cold weights).
 
-Jitted code allocates its scratch with ``_simd.empty_line``. Row strides are the callers'
+Jitted code allocates its scratch with ``kernels._simd.empty_line``. Row strides are the callers'
 business: the packed layouts and the MoE workspaces have rows of a multiple of 64 bytes (d_pad is
 a multiple of 64 elements, n_pad of 16 fp32), so aligning the start aligns every row.
 """

@@ -1,10 +1,12 @@
 """The on-disk cache of compiled kernels, keyed on everything that changes machine code.
 
 Numba's own cache keys a function on its own file only, so editing an ``@intrinsic`` in another
-module would run stale machine code. kt's kernels use a cache locator whose directory name and
-source stamp hash *all* of kt's kernel sources (every ``kt/cpu_ops/*.py``), together with the
-numba and llvmlite versions, the host CPU and the selected variant. ``install()`` must run before
-the ``@njit(cache=True)`` decorators of a kernel module execute.
+module would run stale machine code. kt's jitted functions (every one defined anywhere under
+``kt/cpu_ops``, subfolders included) use a cache locator whose directory name and source stamp
+hash *all* of kt's kernel sources (every ``.py`` under ``kt/cpu_ops``, by path relative to it and
+content, so a moved file changes the key as an edited one does), together with the numba and
+llvmlite versions, the host CPU and the selected variant. ``install()`` must run before the
+``@njit(cache=True)`` decorators of a kernel module execute.
 """
 from __future__ import annotations
 
@@ -18,22 +20,25 @@ from ..config import get_config
 _KERNEL_DIR = Path(__file__).resolve().parent
 
 
-def kernel_source_files() -> list[Path]:
-    return sorted(p for p in _KERNEL_DIR.glob("*.py"))
+def kernel_source_files(root: Path | None = None) -> list[Path]:
+    """Every ``.py`` file under ``root`` (default: kt/cpu_ops), subfolders included, sorted."""
+    return sorted((root or _KERNEL_DIR).rglob("*.py"))
 
 
-def source_hash(files: list[Path] | None = None) -> str:
-    """sha256 over the names and contents of kt's kernel sources."""
+def source_hash(root: Path | None = None) -> str:
+    """sha256 over the paths (relative to ``root``, default kt/cpu_ops) and contents of every
+    kernel source under it."""
+    root = Path(root) if root is not None else _KERNEL_DIR
     h = hashlib.sha256()
-    for p in files if files is not None else kernel_source_files():
-        h.update(p.name.encode())
+    for p in kernel_source_files(root):
+        h.update(p.relative_to(root).as_posix().encode())
         h.update(b"\0")
         h.update(p.read_bytes())
         h.update(b"\0")
     return h.hexdigest()
 
 
-def cache_key(variant: str | None = None, files: list[Path] | None = None) -> str:
+def cache_key(variant: str | None = None, root: Path | None = None) -> str:
     import llvmlite
     import numba
     import llvmlite.binding as llvm
@@ -44,7 +49,7 @@ def cache_key(variant: str | None = None, files: list[Path] | None = None) -> st
         variant = cpu_variant()
     parts = [f"numba{numba.__version__}", f"llvmlite{llvmlite.__version__}",
              f"py{sys.version_info.major}{sys.version_info.minor}", llvm.get_host_cpu_name(),
-             variant, source_hash(files)[:16]]
+             variant, source_hash(root)[:16]]
     return "-".join(parts)
 
 
@@ -131,7 +136,7 @@ def install() -> None:
     from numba.core import caching
 
     class KtCacheLocator(caching._CacheLocator):
-        """Caches functions defined in kt/cpu_ops under the complete kt kernel key."""
+        """Caches functions defined anywhere under kt/cpu_ops under the complete kt kernel key."""
 
         def __init__(self, py_func, py_file):
             self._py_file = py_file
@@ -146,12 +151,15 @@ def install() -> None:
             return self._key
 
         def get_disambiguator(self):
-            return f"{Path(self._py_file).stem}.{self._lineno}"
+            # the file's path below kt/cpu_ops: two files of one name in different folders
+            # (kernels/avx2.py, kernels/amx/...) never share an index
+            rel = Path(self._py_file).resolve().relative_to(_KERNEL_DIR).with_suffix("")
+            return f"{'.'.join(rel.parts)}.{self._lineno}"
 
         @classmethod
         def from_function(cls, py_func, py_file):
             try:
-                if Path(py_file).resolve().parent != _KERNEL_DIR:
+                if _KERNEL_DIR not in Path(py_file).resolve().parents:
                     return None
                 self = cls(py_func, py_file)
                 self.ensure_cache_path()

@@ -1,13 +1,12 @@
 """CPU GEMM against a packed weight: y [M, N] = x [M, D] @ w[N, D]^T (check, allocate, launch).
 
 ``linear`` is the public entry point. The lower-level pieces are for callers that manage their own
-buffers and threads (the MoE driver): ``activation_buffers`` + ``prepare_activations`` fill the
-kernel's activation operands, ``kernel_for`` resolves the registered kernel, ``launch`` runs it on
-the 16-row blocks [nb0, nb1). Kernel arguments follow kt/cpu_ops/README.md.
+buffers and threads: ``activation_buffers`` + ``prepare_activations`` fill the kernel's activation
+operands, ``kernel_for`` resolves the registered kernel, ``launch`` runs it on the 16-row blocks
+[nb0, nb1). Kernel arguments follow kt/cpu_ops/README.md; which kernel (and form) runs is the
+registry's ``KernelSet``.
 """
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 
@@ -18,9 +17,6 @@ from .packing import PackedWeight, int4_has_minus8
 from .tiling import TileConfig, choose
 
 __all__ = ["linear", "kernel_for", "activation_buffers", "prepare_activations", "launch"]
-
-_kernels: dict[tuple[str, QuantScheme, str], object] = {}
-_lock = threading.Lock()
 
 
 def _resolve_variant(variant: str | None) -> str:
@@ -42,17 +38,7 @@ def kernel_for(op: str, scheme: QuantScheme | str, variant: str | None = None):
     """
     if op not in ("gemv", "gemm"):
         raise ValueError(f"op must be 'gemv' or 'gemm', got {op!r}")
-    scheme = QuantScheme.parse(scheme)
-    variant = _resolve_variant(variant)
-    key = (op, scheme, variant)
-    k = _kernels.get(key)
-    if k is None:
-        with _lock:
-            k = _kernels.get(key)
-            if k is None:
-                k = registry.lookup(op, scheme, variant).load()
-                _kernels[key] = k
-    return k
+    return registry.kernel_set(scheme, _resolve_variant(variant)).kernel(op)
 
 
 def _check_packed(packed) -> PackedWeight:
@@ -79,7 +65,7 @@ def activation_buffers(m: int, packed: PackedWeight) -> tuple[np.ndarray, ...]:
 
 def prepare_activations(x: np.ndarray, packed: PackedWeight, bufs: tuple[np.ndarray, ...]) -> None:
     """Fill ``bufs`` (from ``activation_buffers``) from x fp32 [M, D] (C-contiguous rows)."""
-    from .actquant import bf16_rows, quantize_rows
+    from .kernels.actquant import bf16_rows, quantize_rows
 
     if packed.scheme is QuantScheme.BF16:
         bf16_rows(x, bufs[0])
@@ -125,15 +111,12 @@ def linear(x, packed: PackedWeight, variant: str | None = None, op: str | None =
     m = x.shape[0]
     if m == 0:
         return np.zeros((0, packed.n), np.float32)
-    variant = _resolve_variant(variant)
+    ks = registry.kernel_set(packed.scheme, _resolve_variant(variant))
     if tile is None:
-        tile = choose(m, packed.n, packed.d, packed.scheme, variant, op=op)
-    kernel = kernel_for(tile.op, packed.scheme, variant)
-    if (packed.scheme is QuantScheme.INT4 and tile.op == "gemm"
-            and registry.lookup("gemm", packed.scheme, variant).variant == "amx"
-            and int4_has_minus8(packed)):
-        # the AMX INT4 GEMM forms r_g * q in int8, which q = -8 leaves (packing.int4_has_minus8)
-        from .kernels_amx import gemm_int4_flush as kernel
+        tile = choose(m, packed.n, packed.d, ks, op=op)
+    # a large-M kernel not exact for a stored INT4 -8 has an exact form (packing.int4_has_minus8)
+    minus8 = tile.op == "gemm" and ks.gemm_exact is not None and int4_has_minus8(packed)
+    kernel = ks.linear_kernel(tile.op, minus8)
     bufs = activation_buffers(m, packed)
     prepare_activations(x, packed, bufs)
     out = _align.empty((m, packed.n_pad), np.float32)

@@ -7,45 +7,27 @@ its own and the layer is the sum of the nodes' outputs:
 
     down_e(silu(gate_e x) * up_e x) = sum_n down_e[:, a_n:b_n] (silu(gate_e[a_n:b_n] x) * up_e[a_n:b_n] x)
 
-The slices are the weight loader's NUMA shards (``kt.weights.make_shards``: sizes follow the
-nodes' CPU counts, boundaries on multiples of 64 and of G, each slice copied by a thread pinned to
-its node so Linux's first-touch policy places its pages there): one copy of every expert in RAM.
-Each node has its own ``CpuPool`` pinned to its CPUs, which reads only its slice. The quantised
-weights are the unsharded layer's, sliced (INT8 down rows keep their whole-row scale); the
-activations of SiLU * up are quantised per token *and node* (each node its own slice and scale),
-at least as accurate as one scale per token.
+The slices are node shards as the weight loader makes them (``kt.weights.numa_split`` for a
+built layer, ``kt.weights.load_cpu_moe(..., numa=True)`` for a kt weight directory: sizes follow
+the nodes' CPU counts, boundaries on multiples of 64 and of G, each slice copied by a thread
+pinned to its node so Linux's first-touch policy places its pages there): one copy of every
+expert in RAM. Each node has its own ``CpuPool`` pinned to its CPUs, which reads only its slice.
+The quantised weights are the unsharded layer's, sliced (INT8 down rows keep their whole-row
+scale); the activations of SiLU * up are quantised per token *and node* (each node its own slice
+and scale), at least as accurate as one scale per token.
 
-On a machine with one node this adds nothing over ``CPUMoE``. ``nodes=`` overrides the topology
-({node: [cpus]}), e.g. to test the split on one node.
+On a machine with one node this adds nothing over ``CPUMoE``.
 """
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
 from .. import reference as ref
-from .moe import CPUMoE, _is_torch, _to_numpy_2d
-from .pool import CpuPool, numa_nodes
+from ._moe_io import _is_torch, _to_numpy_2d
+from .moe import CPUMoE
+from .runtime.pool import CpuPool
 
 __all__ = ["NumaMoE"]
-
-
-def _topology(nodes):
-    from ..weights import NumaTopology
-
-    if nodes is None:
-        nodes = numa_nodes()
-    if not isinstance(nodes, dict) or not nodes or not all(
-            isinstance(c, (list, tuple)) and len(c) for c in nodes.values()):
-        raise ValueError(f"nodes must be a non-empty {{node: [cpus]}} map, got {nodes!r}")
-    allowed = set(os.sched_getaffinity(0))
-    for n, cpus in nodes.items():
-        if not set(cpus) <= allowed:
-            raise ValueError(f"node {n}: CPUs {sorted(set(cpus) - allowed)} are not in this "
-                             f"process's affinity set")
-    keys = sorted(nodes)
-    return NumaTopology(tuple(tuple(sorted(nodes[k])) for k in keys), tuple(int(k) for k in keys))
 
 
 def _check_threads(threads_per_node):
@@ -73,16 +55,16 @@ class _Handle:
 class NumaMoE:
     """A ``CPUMoE``-like layer whose experts are split across NUMA nodes (see the module doc).
 
-    Build it with ``NumaMoE.from_cpu_moe(moe)`` (slicing an existing layer),
-    ``NumaMoE.from_tensors(gate, up, down, scheme=...)`` or ``NumaMoE.from_kt(path, layer)``.
-    ``nodes``: a {node: [cpus]} map (default: ``numa_nodes()``, the process's CPUs per node);
-    ``threads_per_node``: pool threads per node (default: the node's CPUs). Calls take the
-    arguments of ``CPUMoE.__call__`` / ``submit`` and return the same.
+    shards: one per node with a slice, each with ``node``, ``cpus``, ``i0``, ``i1`` and its
+    stacked ``w13`` [E, 2(i1 - i0), H] (gate rows, then up rows) and ``w2`` [E, H, i1 - i0]
+    (``kt.weights.NodeShard``; build the layer with ``kt.weights.numa_split`` or
+    ``kt.weights.load_cpu_moe``). threads_per_node: pool threads per node (default: the node's
+    CPUs). ``cpu_moe_kw`` goes to each node's ``CPUMoE`` (max_tokens, variant, activations,
+    tuning, ...). Calls take the arguments of ``CPUMoE.__call__`` / ``submit`` and return the
+    same.
     """
 
     def __init__(self, shards, threads_per_node: int | None = None, **cpu_moe_kw):
-        """shards: ``kt.weights.NodeShard``s (one per node with a slice); ``cpu_moe_kw`` goes to
-        each node's ``CPUMoE`` (chunk_tokens, max_tokens, variant, activations, ...)."""
         _check_threads(threads_per_node)
         if not shards:
             raise ValueError("NumaMoE needs at least one node shard")
@@ -99,41 +81,6 @@ class NumaMoE:
         self.intermediate = max(b for _, b in self.slices)
         self.group_size = s0.group_size
 
-    @classmethod
-    def from_cpu_moe(cls, moe: CPUMoE, nodes: dict[int, list[int]] | None = None,
-                     threads_per_node: int | None = None) -> "NumaMoE":
-        from ..weights import make_shards
-
-        if not isinstance(moe, CPUMoE):
-            raise TypeError(f"moe must be a CPUMoE, got {type(moe).__name__}")
-        topo = _topology(nodes)
-        _check_threads(threads_per_node)
-        shards = make_shards(moe.w13, moe.w2, moe.intermediate, topo, up_offset=moe.up_offset)
-        return cls(shards, threads_per_node, chunk_tokens=moe.chunk_tokens,
-                   max_tokens=moe.max_tokens, activations=moe.activations,
-                   variant=None if moe.variant == "custom" else moe.variant)
-
-    @classmethod
-    def from_tensors(cls, gate, up, down, scheme="int8", group_size: int = 64, nodes=None,
-                     threads_per_node=None, **kw) -> "NumaMoE":
-        """gate/up [E, I, H], down [E, H, I]; ``kw`` goes to ``CPUMoE.from_tensors``."""
-        moe = CPUMoE.from_tensors(gate, up, down, scheme=scheme, group_size=group_size, **kw)
-        return cls.from_cpu_moe(moe, nodes=nodes, threads_per_node=threads_per_node)
-
-    @classmethod
-    def from_kt(cls, path, layer: int, nodes=None, threads_per_node=None,
-                physical_to_logical_map=None, **kw) -> "NumaMoE":
-        """Layer ``layer`` of a kt weight directory: the loader builds the node shards."""
-        from ..weights import load_experts
-
-        topo = _topology(nodes)
-        lw = load_experts(path, layer, physical_to_logical_map=physical_to_logical_map,
-                          topology=topo)
-        if lw.shards:
-            return cls(lw.shards, threads_per_node, **kw)
-        return cls.from_cpu_moe(CPUMoE(lw.w13, lw.w2, **kw), nodes=nodes,
-                                threads_per_node=threads_per_node)
-
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.shards)
@@ -142,14 +89,17 @@ class NumaMoE:
         return (f"NumaMoE(E={self.num_experts}, H={self.hidden}, I={self.intermediate}, "
                 f"scheme={self.scheme.value}, nodes={sorted(self.nodes)}, slices={self.slices})")
 
-    def __call__(self, x, topk_ids, topk_weights, gpu_mask=None, out=None, incremental=False):
+    def __call__(self, x, topk_ids, topk_weights, gpu_mask=None, out=None, incremental=False,
+                 tuning=None):
         return self.submit(x, topk_ids, topk_weights, gpu_mask=gpu_mask, out=out,
-                           incremental=incremental).wait()
+                           incremental=incremental, tuning=tuning).wait()
 
     forward = __call__
 
-    def submit(self, x, topk_ids, topk_weights, gpu_mask=None, out=None, incremental=False):
-        """Start every node's part; ``.wait()`` sums them into the output (x's dtype, or ``out``)."""
+    def submit(self, x, topk_ids, topk_weights, gpu_mask=None, out=None, incremental=False,
+               tuning=None):
+        """Start every node's part (each with ``tuning``, default its own); ``.wait()`` sums them
+        into the output (x's dtype, or ``out``)."""
         if not isinstance(incremental, (bool, np.bool_)):
             raise TypeError(f"incremental must be a bool, got {type(incremental).__name__}")
         if incremental and out is None:
@@ -159,7 +109,8 @@ class NumaMoE:
         T = x32.shape[0]
         if out is not None and tuple(out.shape) != (T, self.hidden):
             raise ValueError(f"out must be [T, H] = {(T, self.hidden)}, got {tuple(out.shape)}")
-        handles = [s.submit(x32, topk_ids, topk_weights, gpu_mask=gpu_mask) for s in self.shards]
+        handles = [s.submit(x32, topk_ids, topk_weights, gpu_mask=gpu_mask, tuning=tuning)
+                   for s in self.shards]
 
         def finish(parts):
             y = parts[0].astype(np.float32, copy=True)

@@ -191,7 +191,7 @@ def int4_has_minus8(p: PackedWeight) -> bool:
         return False
     known = p.__dict__.get("_has_minus8")
     if known is None:
-        from ._scan import any_zero_nibble
+        from .kernels.scan import any_zero_nibble
 
         known = bool(any_zero_nibble(np.ascontiguousarray(p.data).reshape(-1).view(np.uint64)))
         object.__setattr__(p, "_has_minus8", known)  # a frozen dataclass: a cache, not a field
@@ -208,7 +208,7 @@ def int4_ratio_table(scale: np.ndarray) -> np.ndarray | None:
     """The INT4 ratio tables of stacked group scales [E, NB, ng, 16] -> fp32 [E, 1, rows, 16]
     (see the module docstring), or None if a scale is not s_row * r_g with r_g an integer in
     [0, ``reference.INT4_RATIO_MAX``]. The arithmetic is the AMX kernels' own ratio maker's
-    (``kernels_amx._int4_ratios``), in fp32: s_row = max_g(scale) / INT4_RATIO_MAX, r_g =
+    (``kernels.amx.int4._int4_ratios``), in fp32: s_row = max_g(scale) / INT4_RATIO_MAX, r_g =
     rint(scale * (1 / s_row)), each checked exact; so the kernels that read a table compute what
     the ones that make the ratios at every call do."""
     e, nb, ng, _ = scale.shape

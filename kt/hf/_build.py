@@ -52,7 +52,7 @@ class ExpertsBuilder:
         cfg = self.config
         if cfg.pool is not None or cfg.threads is None or cfg.backend != "kt":
             return cfg.pool
-        from ..cpu_ops.pool import default_pool
+        from ..cpu_ops import default_pool
 
         return default_pool(cfg.threads)
 

@@ -16,7 +16,7 @@ def layer_pool(gpu: bool):
     overrides the count. Without a GPU the pool takes every CPU.
     """
     from ..config import get_config
-    from ..cpu_ops.pool import default_pool
+    from ..cpu_ops import default_pool
 
     n = get_config().num_threads
     if n is None and gpu:

@@ -15,7 +15,7 @@ __all__ = ["make_pool", "node_cpus"]
 
 def node_cpus(nodes) -> set[int]:
     """The CPUs of this thread's affinity set on NUMA ``nodes``; KTArgumentError if none."""
-    from ..cpu_ops.pool import numa_nodes
+    from ..cpu_ops.runtime.pool import numa_nodes
 
     have = numa_nodes(set(os.sched_getaffinity(0)))
     missing = [n for n in nodes if n not in have]
@@ -26,15 +26,9 @@ def node_cpus(nodes) -> set[int]:
 
 
 def make_pool(opts: KTOptions):
-    """A CpuPool with ``--kt-cpuinfer`` threads (default: the CPUs of the chosen nodes, or all)."""
-    from ..cpu_ops.pool import CpuPool
+    """The process's pool of ``--kt-cpuinfer`` threads (default: the CPUs of the chosen nodes,
+    or all) on the CPUs of ``--kt-numa-nodes`` (default: all of this process's)."""
+    from ..cpu_ops import default_pool
 
-    if opts.kt_numa_nodes is None:
-        return CpuPool(opts.kt_cpuinfer) if opts.kt_cpuinfer else CpuPool()
-    cpus = node_cpus(opts.kt_numa_nodes)
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        return CpuPool(opts.kt_cpuinfer or len(cpus))
-    finally:
-        os.sched_setaffinity(0, before)
+    cpus = None if opts.kt_numa_nodes is None else node_cpus(opts.kt_numa_nodes)
+    return default_pool(opts.kt_cpuinfer or None, cpus=cpus)

@@ -86,10 +86,11 @@ def wrap_fused_loader(method, original):
 def build_cpu(opts, layer_id: int, stash: Stash | None, scheme, pool, shape):
     """The layer's ``CPUMoE``: from ``--kt-weight-path`` or quantised from the stashed checkpoint
     tensors; its (E, H, I) must be ``shape``, the model's."""
-    from ..cpu_ops.moe import CPUMoE
+    from ..cpu_ops import CPUMoE
+    from ..weights import load_cpu_moe
 
     if opts.kt_weight_path is not None:
-        cpu = CPUMoE.from_kt(opts.kt_weight_path, layer_id, pool=pool)
+        cpu = load_cpu_moe(opts.kt_weight_path, layer_id, pool=pool)
         src = opts.kt_weight_path
     else:
         stash.check_complete(layer_id)

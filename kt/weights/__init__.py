@@ -7,11 +7,13 @@ the loader. See docs/weight-format.md.
 from __future__ import annotations
 
 from ._convert import convert, parse_layers, verify
+from ._cpu_moe import load_cpu_moe, numa_split
 from ._format import FORMAT_VERSION, WeightFormatError
 from ._loader import (LoadedExperts, NodeShard, NumaTopology, load_experts, make_shards,
                       shard_ranges)
 from ._sources import SourceError
 
 __all__ = ["convert", "verify", "load_experts", "LoadedExperts", "NodeShard", "NumaTopology",
+           "load_cpu_moe", "numa_split",
            "make_shards",
            "shard_ranges", "parse_layers", "WeightFormatError", "SourceError", "FORMAT_VERSION"]

@@ -42,7 +42,7 @@ class NumaTopology:
     @classmethod
     def of_pool(cls, pool) -> "NumaTopology | None":
         """The topology a CPU pool runs on: ``pool.topology``, or ``pool.nodes`` ({node: CPUs},
-        as kt.cpu_ops.pool.CpuPool has); None if it has neither."""
+        as kt.cpu_ops.CpuPool has); None if it has neither."""
         topo = getattr(pool, "topology", None)
         if isinstance(topo, cls):
             return topo

@@ -11,6 +11,10 @@ def test_doctor_text(capsys):
                     "numba", "GPU", "Kernel cache", "Verdict", "cpu_experts", "gpu_experts",
                     "sglang_plugin"):
         assert section in out, section
+    # one line per scheme: the kernels the registry picked on this host
+    for scheme in ("int8", "int4", "bf16"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"  {scheme} kernels "))
+        assert "decode " in line and "prefill " in line and "gemv up to" in line, line
 
 
 def test_doctor_json(capsys):
@@ -25,6 +29,9 @@ def test_doctor_json(capsys):
     assert info["memory"]["total_bytes"] > 0
     assert info["numa"] and info["numa"][0]["cpus"]
     assert info["verdict"]["cpu_experts"].startswith("yes")
+    from kt.cpu_ops import registry
+
+    assert info["cpu"]["kernels"] == {s: registry.kernel_set(s).describe() for s in ("int8", "int4", "bf16")}
     assert "gpu" in info and isinstance(info["gpu"]["gpus"], list)
 
 

@@ -107,8 +107,7 @@ def test_errors():
 def test_load_weights_from_kt_format(tmp_path):
     from kt.testing.checkpoints import small_checkpoint
 
-    from kt.cpu_ops.moe import CPUMoE
-    from kt.weights import convert
+    from kt.weights import convert, load_cpu_moe
 
     src, refs = small_checkpoint(tmp_path, n_layers=2, n_e=E, hidden=H, inter=I)
     out = tmp_path / "kt"
@@ -122,7 +121,7 @@ def test_load_weights_from_kt_format(tmp_path):
     x, ids, tw = _inputs(4, seed=9)
     # the converter quantises exactly as reference.quantize: same packed weights, same output
     assert torch.equal(w.forward(x, ids, tw), t.forward(x, ids, tw))
-    m = CPUMoE.from_kt(out, 1, pool=w.pool)
+    m = load_cpu_moe(out, 1, pool=w.pool)
     assert torch.equal(m(x, ids, tw.float()), w.forward(x, ids, tw))
     with pytest.raises(ValueError, match="is int8, but method='BF16'"):
         KTMoEWrapper(1, E, K, H, I, None, 2, 1, str(out), 512, method="BF16").load_weights()
@@ -164,7 +163,7 @@ def test_threadpool_count_splits_across_numa_nodes(monkeypatch):
     layer becomes a kt.NumaMoE; with one node it warns and keeps one pool."""
     import os
 
-    from kt.cpu_ops import pool as pool_mod
+    from kt.cpu_ops.runtime import pool as pool_mod
     from kt.cpu_ops.numa import NumaMoE
 
     cpus = sorted(os.sched_getaffinity(0))

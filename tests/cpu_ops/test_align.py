@@ -4,10 +4,10 @@ import pytest
 from numba import njit
 
 from kt.cpu_ops import _align
-from kt.cpu_ops._simd import empty_line, line_elems
+from kt.cpu_ops.kernels._simd import empty_line, line_elems
 from kt.cpu_ops.moe import CPUMoE
 from kt.cpu_ops.packing import PackedWeight, aligned_packed, pack, pack_experts
-from kt.cpu_ops.pool import CpuPool
+from kt.cpu_ops.runtime.pool import CpuPool
 
 
 def _off(a):

@@ -234,34 +234,37 @@ def test_linear_rejects_bad_input():
 
 
 def test_tiling_choice():
-    from kt.cpu_ops import tiling
+    """gemv up to the kernel set's gemv_max (AMX sets: 4; AVX-512 and AVX2: 1), gemm above;
+    described sets of variants this host cannot run need no kernel loaded."""
+    from kt.cpu_ops import registry, tiling
 
-    assert tiling.choose(1, 1536, 2048, "int8", "avx512_vnni").op == "gemv"
-    assert tiling.choose(512, 1536, 2048, "int8", "avx512_vnni").op == "gemm"
-    assert tiling.choose(1, 768, 2048, "int8", "avx2").op == "gemv"
-    assert tiling.choose(2, 768, 2048, "int8", "avx2").op == "gemm"
-    assert tiling.choose(4, 768, 2048, "int8", "amx").op == "gemv"
-    assert tiling.choose(2, 768, 2048, "int8", "avx512_vnni").op == "gemm"
-    assert tiling.choose(512, 768, 2048, "bf16", "avx2", op="gemv").op == "gemv"  # override
-    t = tiling.choose(7, 1408, 2048, "int8", "avx512_bf16", threads=2)
+    ks = registry.kernel_set
+    assert tiling.choose(1, 1536, 2048, ks("int8", "avx512_vnni")).op == "gemv"
+    assert tiling.choose(512, 1536, 2048, ks("int8", "avx512_vnni")).op == "gemm"
+    assert tiling.choose(1, 768, 2048, ks("int8", "avx2")).op == "gemv"
+    assert tiling.choose(2, 768, 2048, ks("int8", "avx2")).op == "gemm"
+    assert tiling.choose(4, 768, 2048, ks("int8", "amx")).op == "gemv"
+    assert tiling.choose(5, 768, 2048, ks("bf16", "amx")).op == "gemm"
+    assert tiling.choose(2, 768, 2048, ks("int8", "avx512_vnni")).op == "gemm"
+    assert tiling.choose(512, 768, 2048, ks("bf16", "avx2"), op="gemv").op == "gemv"  # override
+    t = tiling.choose(7, 1408, 2048, ks("int8", "avx512_bf16"), threads=2)
     assert t.n_blocks_per_task % 4 == 0 and t.n_blocks_per_task * 8 >= 1408 // 16
     assert tiling.gemm_m_chunk(1000, 2048) % 4 == 0 and tiling.gemm_m_chunk(3, 2048) == 3
     with pytest.raises(ValueError, match="op"):
-        tiling.choose(1, 16, 64, "int8", "avx2", op="gemx")
+        tiling.choose(1, 16, 64, ks("int8", "avx2"), op="gemx")
     with pytest.raises(ValueError, match="positive"):
-        tiling.choose(0, 16, 64, "int8", "avx2")
+        tiling.choose(0, 16, 64, ks("int8", "avx2"))
 
 
 @pytest.mark.skipif("avx512_vnni" not in isa.runnable_variants(), reason="host cannot run AVX-512 VNNI")
 @pytest.mark.parametrize("g", [32, 64, 128])
-@pytest.mark.parametrize("name", ["gemv_int4_pf", "gemv_int4_pfl"])
-def test_int4_prefetching_gemv_is_exact(g, name):
-    """The prefetching INT4 gemvs (the decode kernels registered for AMX and AVX-512 hosts): the
+def test_int4_prefetching_gemv_is_exact(g):
+    """The prefetching INT4 gemv (the decode kernel registered for AMX and AVX-512 hosts): the
     int64 sums exactly (all scales 1) and, on real scales, bit-identical to gemv_int4 (the
     prefetch changes no arithmetic)."""
-    from kt.cpu_ops import kernels_avx512 as KV
+    from kt.cpu_ops.kernels import avx512 as KV
 
-    kern = getattr(KV, name)
+    kern = KV.gemv_int4_pfl
     rng = np.random.default_rng(18 + g)
     m, n, d = 2, 52, 5 * g + 24
     q = rng.integers(-7, 8, (n, d)).astype(np.int8)

@@ -1,15 +1,6 @@
-"""CPUMoE and the MoE driver against kt.reference.
-
-Tight tests compare with ``reference.moe_forward_quantized`` (the exact math of the kernels:
-activations rounded per token as the kernels see them, dequantised weights). The integer dot
-products are exact, so the differences are fp32 rounding only: the SiLU's expf (LLVM vs numpy,
-<= 1 ulp), fp32 epilogues (INT4 sums its group partials in fp32), fp32 vs fp64 accumulation in
-the combine and in the BF16 GEMMs: ~1e-6 relative. One effect is larger but rare: such a 1-ulp
-difference can move an element of h across a rounding boundary of its int8 requantisation, which
-changes that token's output by ~1e-3 of its norm. Hence: the whole output within 1e-4 relative
-(norm), and every token's row within 5e-3.
-
-Accuracy tests compare with ``reference.moe_forward`` on the unquantised weights.
+"""CPUMoE against kt.reference: shapes, dtypes, masks, torch and numpy I/O, errors, and the
+registry's kernels on every variant this host runs (tolerances: _moe_cases.py). Accuracy tests
+compare with ``reference.moe_forward`` on the unquantised weights.
 """
 import warnings
 
@@ -17,106 +8,15 @@ import numpy as np
 import pytest
 
 from kt import reference as ref
-from kt.config import QuantScheme
-from kt.cpu_ops import isa, registry
+from kt.cpu_ops import isa
 from kt.cpu_ops.moe import CPUMoE
 from kt.cpu_ops.packing import unpack
-from kt.cpu_ops.pool import CpuPool
+from kt.cpu_ops.runtime.pool import CpuPool
+from kt.cpu_ops.tuning import MoETuning
 from kt.testing import assert_close, random_expert_weights
 
+from _moe_cases import BEST, REAL, SCHEMES, check_tight, layer, quantized_ref, routing
 from _moe_doubles import DOUBLES
-
-SCHEMES = ("int8", "int4", "bf16")
-
-
-def _has_kernels(scheme, variant=None):
-    try:
-        registry.lookup("gemv", scheme, variant)
-        return True
-    except NotImplementedError:
-        try:
-            registry.lookup("gemm", scheme, variant)
-            return True
-        except NotImplementedError:
-            return False
-
-
-def _real_variants():
-    """(scheme, variant) pairs with registered kernels, one per distinct kernel set."""
-    out = []
-    for s in SCHEMES:
-        seen = set()
-        for v in isa.runnable_variants():
-            if not _has_kernels(s, v):
-                continue
-            key = tuple(registry.lookup(op, s, v).target for op in ("gemv", "gemm")
-                        if registry.candidates(op, QuantScheme.parse(s), v))
-            if key not in seen:
-                seen.add(key)
-                out.append((s, v))
-    return out
-
-
-REAL = _real_variants()
-BEST = [(s, v) for (s, v) in REAL if v == isa.cpu_variant() or
-        all(v2 != isa.cpu_variant() for (s2, v2) in REAL if s2 == s)]
-BEST = list({s: (s, v) for (s, v) in REAL}.values()) if not BEST else BEST
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = CpuPool(2, spin_us=200)
-    yield p
-    p.shutdown()
-
-
-_cache = {}
-
-
-def layer(scheme, kind, E=8, H=200, I=100, pool=None, **kw):
-    """kind: 'double' (scalar test kernels) or a variant name (registry kernels)."""
-    key = (scheme, kind, E, H, I, id(pool), tuple(sorted(kw.items())))
-    if key not in _cache:
-        g, u, d = random_expert_weights(E, H, I, seed=E + H + I)
-        if kind == "double":
-            m = CPUMoE.from_tensors(g, u, d, scheme=scheme, pool=pool, kernels=DOUBLES[scheme], **kw)
-        else:
-            m = CPUMoE.from_tensors(g, u, d, scheme=scheme, pool=pool, variant=kind, **kw)
-        _cache[key] = (m, g, u, d)
-    return _cache[key]
-
-
-def quantized_ref(m, x, ids, w, mask=None):
-    q13 = [unpack(m.w13.expert(e)) for e in range(m.num_experts)]
-    q2 = [unpack(m.w2.expert(e)) for e in range(m.num_experts)]
-    return ref.moe_forward_quantized(x, ids, w, q13, q2, skip_mask=mask,
-                                     activations=m.activations)
-
-
-def routing(rng, T, E, K, skip_frac=0.1):
-    ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]) if T else np.zeros((0, K), np.int64)
-    ids = ids.astype(np.int64)
-    ids[rng.random(ids.shape) < skip_frac] = -1
-    w = rng.random((T, K), dtype=np.float32)
-    return ids, w
-
-
-def check_tight(m, x, ids, w, out, mask=None, what="", whole=1e-4):
-    """whole: the bound on the whole output's relative error. One row moved by a requantisation
-    flip (the rare effect above, <= 5e-3 of its norm) moves the whole output of T rows by about
-    5e-3 / sqrt(T): tests that may meet one pass a larger bound (AMX INT8 meets one at T=120)."""
-    r = quantized_ref(m, x, ids, w, mask).astype(np.float64)
-    o = np.asarray(out, np.float64)
-    assert o.shape == r.shape, what
-    if not r.size:
-        return
-    err = ref.relative_error(o, r)
-    assert err <= whole, f"{what}: relative error {err:.3g} > {whole}"
-    d = np.linalg.norm(o - r, axis=1)
-    n = np.linalg.norm(r, axis=1)
-    bad = d > 5e-3 * n + 1e-6 * (n.max() + 1e-30)
-    assert not bad.any(), (f"{what}: rows {np.nonzero(bad)[0][:8]} off by "
-                           f"{(d[bad] / np.maximum(n[bad], 1e-30))[:8]} (relative)")
 
 
 # ----------------------------------------------------------------------------- driver (doubles)
@@ -156,8 +56,7 @@ def test_two_level_activations_doubles(scheme, pool):
         out = m(x, ids, w, gpu_mask=gmask)
         check_tight(m, x, ids, w, out, mask=gmask, what=f"int8x2 {scheme} T={T}")
         split = CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme], activations="int8x2",
-                       chunk_tokens=5)
-        split.blocks_per_task = (4, 4)
+                       tuning=MoETuning(chunk_tokens=5, blocks_per_task=(4, 4)))
         assert_close(out, split(x, ids, w, gpu_mask=gmask), rtol=1e-6, atol=1e-7,
                      what=f"int8x2 {scheme} T={T} chunks of 5, split tasks")
     # the second level really adds precision: closer to the fp32 layer than one level
@@ -193,175 +92,16 @@ def test_gpu_mask_incremental_and_chunks(scheme, pool):
     assert res is acc
     check_tight(m, x, ids, w, acc, what="incremental")
     # chunking (several chunks in one job, and several jobs) gives the same numbers
-    m_small = CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme], chunk_tokens=3)
+    m_small = CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme], tuning=MoETuning(chunk_tokens=3))
     assert_close(out_cpu, m_small(x, ids, w, gpu_mask=gmask), rtol=1e-6, atol=1e-7,
                  what="chunk_tokens=3")
     # whole-expert tasks (fused gate+up, act, down) and split row-block tasks (separate act and
     # down phases) compute every output element the same way: identical
-    m_split = CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme])
-    m_split.blocks_per_task = (4, 4)
-    assert np.array_equal(out_cpu, m_split(x, ids, w, gpu_mask=gmask)), "split tasks"
-    m_one = CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme], chunk_tokens=1)
+    split = MoETuning(blocks_per_task=(4, 4))
+    assert np.array_equal(out_cpu, m(x, ids, w, gpu_mask=gmask, tuning=split)), "split tasks"
+    m_one = CPUMoE(m.w13, m.w2, pool=pool, kernels=DOUBLES[scheme], tuning=MoETuning(chunk_tokens=1))
     assert_close(out_cpu, m_one(x, ids, w, gpu_mask=gmask), rtol=1e-6, atol=1e-7,
                  what="chunk_tokens=1 (40 chunks, two jobs)")
-
-
-def _masked_setup(scheme, kind, pool, seed, masked):
-    """(layer, its kernel pair for new CPUMoEs, rng, gpu mask with ``masked`` experts set)."""
-    base = layer(scheme, kind, pool=pool)[0]
-    kern = DOUBLES[scheme] if kind == "double" else (base._kv, base._km)
-    gmask = np.zeros(base.num_experts, bool)
-    gmask[masked] = True
-    return base, kern, np.random.default_rng(seed), gmask
-
-
-@pytest.mark.parametrize("scheme,kind", [(s, "double") for s in SCHEMES] + BEST)
-def test_gathered_calls_are_identical(scheme, kind, pool, monkeypatch):
-    """Gate+up calls gather their rows' activations (quantised once per token) into the
-    participant's scratch, in calls of at most S_GCH rows, and a whole-expert task keeps its
-    gate+up outputs in its own scratch (S_GUS rows) when they fit. Every row is computed by the
-    same kernel on the same numbers however the rows are split into calls and wherever the
-    outputs go: whole-expert and split tasks, one call or many (32 rows), own or shared gate+up
-    rows, give bit-identical outputs; with masks, chunks and two-level activations."""
-    from kt.cpu_ops import moe as moe_mod
-
-    base, kern, rng, gmask = _masked_setup(scheme, kind, pool, 23, [2, 4])
-    E, H = base.num_experts, base.hidden
-    real = moe_mod._call_rows
-    T = 120
-    x = rng.standard_normal((T, H), dtype=np.float32)
-    ids, w = routing(rng, T, E, 3)
-    ids[:, 0] = 5  # one expert with T rows: several 32-row calls
-    kinds = [dict(), dict(chunk_tokens=50)] + ([dict(activations="int8x2")] if scheme != "bf16" else [])
-    for kw in kinds:
-        outs = {}
-        for rows in ("default", (32, 32), (32, 0)):
-            for bpt in ((64, 64), (4, 4)):
-                if rows != "default":
-                    monkeypatch.setattr(moe_mod, "_call_rows", lambda xb, n13, r=rows: r)
-                m = CPUMoE(base.w13, base.w2, pool=pool, kernels=kern, **kw)
-                m.blocks_per_task = bpt
-                outs[(rows, bpt)] = m(x, ids, w, gpu_mask=gmask)
-                monkeypatch.setattr(moe_mod, "_call_rows", real)
-        ref_out = outs[("default", (64, 64))]
-        for k, o in outs.items():
-            assert np.array_equal(o, ref_out), (kw, k)
-        check_tight(m, x, ids, w, ref_out, mask=gmask, what=f"{kw}", whole=1e-3)
-
-
-def _order_case(scheme, pool, seed, chunk_tokens, E=8):
-    """A scalar-kernel layer, an rng, two GPU-masked experts and the layer options under which a task
-    order must give bit-identical outputs (plain, chunked, two-level activations)."""
-    base = layer(scheme, "double", E=E, pool=pool)[0]
-    gmask = np.zeros(base.num_experts, bool)
-    gmask[[2, 5]] = True
-    kinds = [dict(), dict(chunk_tokens=chunk_tokens)] + ([dict(activations="int8x2")] if scheme != "bf16" else [])
-    return base, np.random.default_rng(seed), base.num_experts, base.hidden, gmask, kinds
-
-
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_pipelined_decode_is_identical(scheme, pool):
-    """Pipelined decode (down tasks wait per expert; the last gate+up task of an expert computes its
-    activations) runs the same kernels on the same rows as the phase-by-phase order: bit-identical,
-    with masks, incremental output, chunks, two-level activations and bf16 input and output."""
-    import torch
-
-    base, rng, E, H, gmask, kinds = _order_case(scheme, pool, 12, chunk_tokens=2)
-    for kw in kinds:
-        on = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme], **kw)
-        off = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme], **kw)
-        off.pipelined_decode = False
-        for m in (on, off):
-            m.blocks_per_task = (2, 3)  # tasks split within experts: the decode layout
-        for T in (1, 3, 9):
-            x = rng.standard_normal((T, H), dtype=np.float32)
-            ids, w = routing(rng, T, E, 3)
-            a = on(x, ids, w, gpu_mask=gmask)
-            assert np.array_equal(a, off(x, ids, w, gpu_mask=gmask)), (kw, T)
-            check_tight(on, x, ids, w, a, mask=gmask, what=f"pipelined {scheme} {kw} T={T}")
-            xb = torch.from_numpy(x).to(torch.bfloat16)  # bf16 in and out, as a model calls it
-            bits = [m(xb, ids, w, gpu_mask=gmask).view(torch.int16).numpy() for m in (on, off)]
-            assert np.array_equal(bits[0], bits[1]), (kw, T, "bf16")
-            acc_on = np.ones((T, H), np.float32)
-            acc_off = acc_on.copy()
-            on(x, ids, w, out=acc_on, incremental=True)
-            off(x, ids, w, out=acc_off, incremental=True)
-            assert np.array_equal(acc_on, acc_off), (kw, T, "incremental")
-    # the pipelined order really ran: its per-expert words (pool scratch) end as "0 gate+up tasks
-    # left, ready" for exactly the experts of the last chunk; the phase order leaves them alone
-    from kt.cpu_ops import _moe_driver as drv
-    dep = pool.scratch("moe.dep", E * drv.DEP_STRIDE, np.int64).reshape(E, drv.DEP_STRIDE)
-    ids = np.array([[0, 3, -1], [3, 6, 1]], np.int64)
-    x = rng.standard_normal((2, H), dtype=np.float32)
-    w = np.ones((2, 3), np.float32)
-    dep[:] = 7
-    off(x, ids, w)
-    assert (dep == 7).all()
-    on(x, ids, w)
-    used = [0, 1, 3, 6]
-    assert (dep[used, :2] == [0, 1]).all() and (np.delete(dep, used, axis=0) == 7).all(), dep[:, :2]
-
-
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_tail_split_is_identical(scheme, pool):
-    """Prefill with whole-expert tasks: the last experts split into gate+up and down part tasks (the
-    pipelined order within a fused chunk) run the same kernels on the same rows as whole-expert tasks:
-    bit-identical, with masks, incremental output, chunks and two-level activations."""
-    base, rng, E, H, gmask, kinds = _order_case(scheme, pool, 13, chunk_tokens=24, E=16)
-    for kw in kinds:
-        off = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme], **kw)
-        off.tail_parts = 1
-        ons = []
-        for tail, parts in ((None, 4), (3, 2), (100, 8)):
-            m = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme], **kw)
-            m.tail_experts, m.tail_parts = tail, parts
-            ons.append(m)
-        for T in (40, 61):
-            x = rng.standard_normal((T, H), dtype=np.float32)
-            ids, w = routing(rng, T, E, 3)
-            want = off(x, ids, w, gpu_mask=gmask)
-            check_tight(off, x, ids, w, want, mask=gmask, what=f"tail {scheme} {kw} T={T}")
-            acc_off = np.ones((T, H), np.float32)
-            off(x, ids, w, out=acc_off, incremental=True)
-            for m in ons:
-                assert np.array_equal(m(x, ids, w, gpu_mask=gmask), want), (kw, T, m.tail_experts)
-                acc = np.ones((T, H), np.float32)
-                m(x, ids, w, out=acc, incremental=True)
-                assert np.array_equal(acc, acc_off), (kw, T, m.tail_experts, "incremental")
-    # a layer too narrow to split (4 gate+up blocks: a part would be the whole expert) keeps whole
-    # experts: the same output, and no down task waits for activations nobody computes
-    narrow = layer(scheme, "double", E=16, I=32, pool=pool)[0]
-    x = rng.standard_normal((40, H), dtype=np.float32)
-    ids, w = routing(rng, 40, E, 3)
-    outs = []
-    for parts in (1, 2, 4, 8):
-        m = CPUMoE(narrow.w13, narrow.w2, pool=pool, kernels=DOUBLES[scheme])
-        m.tail_parts = parts
-        outs.append(m(x, ids, w))
-    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
-    # the split really ran: a fused chunk arms per-expert words for all its experts; the split ones
-    # end "0 gate+up tasks left, ready", whole ones "1 left, not ready" (never counted down); the
-    # split ones are the smallest (taken last); tail_parts = 1 leaves the words alone
-    from kt.cpu_ops import _moe_driver as drv
-    dep = pool.scratch("moe.dep", E * drv.DEP_STRIDE, np.int64).reshape(E, drv.DEP_STRIDE)
-    T = 48
-    x = rng.standard_normal((T, H), dtype=np.float32)
-    ids, w = routing(rng, T, E, 3, skip_frac=0.0)
-    counts = np.bincount(ids.ravel(), minlength=E)
-    assert (counts > 0).sum() >= 6  # enough experts for a fused chunk with 3 split
-    off = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme])  # one chunk
-    off.tail_parts = 1
-    on = CPUMoE(base.w13, base.w2, pool=pool, kernels=DOUBLES[scheme])
-    on.tail_experts, on.tail_parts = 3, 2
-    dep[:] = 7
-    off(x, ids, w)
-    assert (dep == 7).all()
-    on(x, ids, w)
-    split = (dep[:, 0] == 0) & (dep[:, 1] == 1)
-    whole = (dep[:, 0] == 1) & (dep[:, 1] == 0)
-    assert split.sum() == 3 and (split | whole | (counts == 0)).all(), dep[:, :2]
-    assert (whole == ((counts > 0) & ~split)).all(), dep[:, :2]
-    assert counts[split].max() <= counts[whole].min(), (counts, dep[:, :2])
 
 
 def test_torch_io_and_async(pool):
@@ -405,7 +145,7 @@ def test_tensor_path_gives_the_general_paths_bits(pool, monkeypatch):
     general path on the same inputs, bit for bit, over the argument forms it takes and the ones
     it hands back to the general path (which then converts them or raises its usual error)."""
     torch = pytest.importorskip("torch")
-    m = layer("int8", "double", pool=pool, chunk_tokens=1, max_tokens=40)[0]
+    m = layer("int8", "double", pool=pool, tuning=MoETuning(chunk_tokens=1), max_tokens=40)[0]
     H, E = m.hidden, m.num_experts
     assert m.max_gated_tokens < 40  # T=40 takes two jobs
     taken = []
@@ -465,35 +205,6 @@ def test_tensor_path_gives_the_general_paths_bits(pool, monkeypatch):
         m(x, ids, torch.ones(2, 3, dtype=torch.int64))
 
 
-def test_profile_books_every_phase(pool):
-    """CPUMoE.profile: the same output as a plain call, and busy time in the phases that ran:
-    split tasks (decode-sized: act and down phases of their own) and whole-expert tasks (prefill:
-    the fused tasks' activations and down GEMM booked under act and down)."""
-    m = layer("int8", "double", pool=pool)[0]
-    rng = np.random.default_rng(9)
-    for T in (1, 64):
-        x = rng.standard_normal((T, m.hidden), dtype=np.float32)
-        ids, w = routing(rng, T, m.num_experts, 3, skip_frac=0.0)
-        m.blocks_per_task = (0, 0) if T > 1 else (1, 1)
-        want = m(x, ids, w)
-        p = m.profile(x, ids, w, repeats=2)
-        assert p["threads"] == pool.num_threads and p["wall_ms"] > 0
-        assert set(p["phases"]) == {"plan", "quantise", "gate_up", "act", "down", "combine"}
-        for name in ("plan", "gate_up", "act", "down", "combine"):
-            assert p["phases"][name]["busy_ms"] > 0, (T, name, p["phases"])
-        assert abs(sum(v["share"] for v in p["phases"].values()) - 1) < 1e-9
-        assert np.array_equal(m(x, ids, w), want)
-    m.blocks_per_task = (0, 0)
-    with pytest.raises(ValueError, match="repeats"):
-        m.profile(x, ids, w, repeats=0)
-    # each participant's words on cache lines of its own (a shared line slowed the profiled call)
-    from kt.cpu_ops.moe import new_profile, profile_cycles
-
-    prof = new_profile(3)
-    assert prof.ctypes.data % 64 == 0 and prof.strides[0] % 64 == 0
-    assert profile_cycles(prof).shape == (3, 6, 2) and np.shares_memory(profile_cycles(prof), prof)
-
-
 def test_nan_and_inf_propagate_per_token(pool):
     for scheme in ("int8", "bf16"):
         m = layer(scheme, "double", pool=pool)[0]
@@ -518,29 +229,6 @@ def test_bad_activation_modes(pool):
     mb = layer("bf16", "double", pool=pool)[0]
     with pytest.raises(ValueError, match="int8 and int4 schemes"):
         CPUMoE(mb.w13, mb.w2, pool=pool, kernels=DOUBLES["bf16"], activations="int8x2")
-
-
-def test_bad_tail_knobs(pool):
-    m = layer("int8", "double", pool=pool)[0]
-    for name, bad in (("tail_experts", -1), ("tail_experts", 2.0), ("tail_parts", "4"), ("tail_parts", True),
-                      ("tail_parts", None)):
-        with pytest.raises(ValueError, match=f"CPUMoE.{name} must be a non-negative int"):
-            setattr(m, name, bad)
-    m.tail_experts, m.tail_parts = np.int64(3), 0
-    assert (m.tail_experts, m.tail_parts) == (3, 0) and type(m.tail_experts) is int
-    m.tail_experts, m.tail_parts = None, 4  # the defaults (the layer is shared by other tests)
-
-
-def test_watchdog_knob(pool):
-    m = layer("int8", "double", pool=pool)[0]
-    assert m.watchdog_s == 600.0
-    for bad in (-1, "10", True, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="CPUMoE.watchdog_s must be"):
-            m.watchdog_s = bad
-    m.watchdog_s = 0
-    assert m.watchdog_s is None
-    m.watchdog_s = np.float32(600)  # back to the default (the layer is shared by other tests)
-    assert m.watchdog_s == 600.0 and type(m.watchdog_s) is float
 
 
 def test_bad_input_errors(pool):
@@ -592,6 +280,26 @@ def test_bad_input_errors(pool):
         CPUMoE.from_tensors(g[0], u, d, kernels=DOUBLES["int8"])
     with pytest.raises(ValueError, match="unknown quantisation scheme"):
         CPUMoE.from_tensors(g, u, d, scheme="fp4", kernels=DOUBLES["int8"])
+    # arguments of the wrong type are named in a TypeError, not met deeper in packing
+    with pytest.raises(TypeError, match="group_size must be an int, got float"):
+        CPUMoE.from_tensors(g, u, d, scheme="int4", group_size=64.0, kernels=DOUBLES["int4"])
+    with pytest.raises(TypeError, match="group_size must be an int"):
+        CPUMoE.from_tensors(g, u, d, scheme="int8", group_size=True, kernels=DOUBLES["int8"])
+    with pytest.raises(ValueError, match=r"group_size must be one of \(32, 64, 128\) for INT4, got 48"):
+        CPUMoE.from_tensors(g, u, d, scheme="int4", group_size=48, kernels=DOUBLES["int4"])
+    for name, args in (("gate", (g.tolist(), u, d)), ("up", (g, u.tolist(), d)), ("down", (g, u, d.tolist()))):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor or numpy.ndarray, got list"):
+            CPUMoE.from_tensors(*args, kernels=DOUBLES["int8"])
+    with pytest.raises(TypeError, match="w13 and w2 must be stacked PackedWeight"):
+        CPUMoE([m.w13], m.w2)
+    with pytest.raises(TypeError, match="topk_ids: expected a torch.Tensor or numpy.ndarray, got list"):
+        m(x, ids.tolist(), w)
+    with pytest.raises(TypeError, match="tuning must be a MoETuning, got dict"):
+        m(x, ids, w, tuning={"chunk_tokens": 4})
+    with pytest.raises(TypeError, match="tuning must be a MoETuning"):
+        CPUMoE(m.w13, m.w2, kernels=DOUBLES["int8"], tuning=(1, 2))
+    with pytest.raises(TypeError, match="pool must be a CpuPool"):
+        CPUMoE(m.w13, m.w2, kernels=DOUBLES["int8"], pool=2)
 
 
 def test_layers_share_a_pool_without_leaks():
@@ -627,14 +335,13 @@ def test_registry_kernels_tight(scheme, variant, pool):
 @pytest.mark.skipif(isa.cpu_variant() != "amx", reason="the streamed down GEMMs are AMX kernels")
 @pytest.mark.parametrize("scheme", ["int8", "int4", "bf16"])
 def test_streamed_down_outputs_give_the_plain_bits(scheme, pool):
-    """A chunk whose y takes y_stream_bytes or more runs its down GEMM with non-temporal stores
+    """A chunk whose y takes MoETuning.y_stream_bytes or more runs its down GEMM with non-temporal stores
     (qwen3 T=2048 by default): the layer's output is bit-identical to the plain stores', over
     several chunks, an odd width (H=200) and a masked expert."""
     for H in (200, 256):
         m = layer(scheme, "amx", E=8, H=H, I=96, pool=pool)[0]
-        streamed = CPUMoE(m.w13, m.w2, pool=pool, chunk_tokens=48)
-        plain = CPUMoE(m.w13, m.w2, pool=pool, chunk_tokens=48)
-        streamed.y_stream_bytes, plain.y_stream_bytes = 0, 1 << 62
+        streamed = CPUMoE(m.w13, m.w2, pool=pool, tuning=MoETuning(chunk_tokens=48, y_stream_bytes=0))
+        plain = CPUMoE(m.w13, m.w2, pool=pool, tuning=MoETuning(chunk_tokens=48, y_stream_bytes=1 << 62))
         assert streamed._kaddr_ys != 0
         rng = np.random.default_rng(H)
         for T in (1, 37, 130):
@@ -682,62 +389,6 @@ def test_accuracy_vs_fp32(scheme, variant, pool):
             check_tight(lay, x.float().numpy(), ids, w, out, what=f"{scheme} T={T} tight")
 
 
-def test_plan_tasks_cover_every_expert_once():
-    """The driver's plan over a grid of layer widths, thread counts and tail settings: every active
-    expert's gate+up and down blocks are covered exactly once; in a fused chunk an expert has down
-    tasks exactly when it is split, a split expert has no task covering all its gate+up blocks (that
-    task would run as a whole expert and never release the down tasks), and the split experts are
-    the last of the order (the smallest)."""
-    from kt.cpu_ops import _moe_driver as drv
-
-    rng = np.random.default_rng(5)
-    for nb13, nb2, E, T, K, nth, tail, tailp in [
-            (4, 4, 16, 40, 3, 2, 2, 4), (8, 4, 16, 40, 3, 2, 2, 2), (96, 128, 128, 512, 8, 16, 16, 4),
-            (96, 128, 128, 2048, 8, 16, 16, 8), (14, 13, 16, 61, 3, 2, 100, 8), (5, 3, 12, 30, 2, 3, 4, 3),
-            (96, 128, 128, 1, 8, 16, 16, 4), (12, 8, 8, 6, 2, 4, 4, 4), (2, 2, 16, 50, 4, 2, 2, 4)]:
-        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64)
-        ids[rng.random(ids.shape) < 0.05] = -1
-        mask = np.zeros(E, np.uint8)  # nothing on the GPU
-        pos = np.zeros((T, K), np.int32)
-        rslot = np.zeros(T * K, np.int32)
-        offs = np.zeros(E + 1, np.int32)
-        order = np.zeros(E, np.int32)
-        t13 = np.full((E * nb13, 3), -1, np.int32)
-        t2 = np.full((E * nb2, 3), -1, np.int32)
-        rows, n13, n2, fused, bad = drv._plan(0, T, ids, mask, pos, rslot, offs, order, t13, t2, nb13, nb2,
-                                              nth, 0, 0, 1, tail, tailp)
-        what = (nb13, nb2, E, T, nth, tail, tailp)
-        active = [e for e in range(E) if offs[e + 1] > offs[e]]
-        assert rows == (ids >= 0).sum() and bad == 0, what
-
-        def cover(tasks, n, nb):
-            got = {}
-            for e, b0, b1 in tasks[:n]:
-                assert 0 <= b0 < b1 <= nb, what
-                got.setdefault(int(e), []).append((int(b0), int(b1)))
-            for e, spans in got.items():
-                spans.sort()
-                assert spans[0][0] == 0 and spans[-1][1] == nb, (what, e, spans)
-                assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (what, e, spans)
-            return got
-
-        g13 = cover(t13, n13, nb13)
-        g2 = cover(t2, n2, nb2)
-        assert sorted(g13) == active, what
-        if not fused:
-            assert sorted(g2) == active, what
-            continue
-        split = sorted(g2)
-        for e in split:
-            assert all(sp != (0, nb13) for sp in g13[e]), (what, e)
-        for e in set(active) - set(split):
-            assert g13[e] == [(0, nb13)], (what, e)
-        n_act = len(active)
-        assert sorted(order[n_act - len(split):n_act]) == split, what
-        if tailp > 1 and nb13 > 4 and n_act >= 2:
-            assert len(split) == min(tail, n_act // 2), what  # room in tasks13 in these cases
-
-
 @pytest.mark.skipif("amx" not in isa.runnable_variants(), reason="the INT4 ratio tables are AMX's")
 def test_int4_ratio_tables(pool):
     """An AMX INT4 layer makes its group ratios once, at load (``packing.int4_ratio_table``), and
@@ -747,7 +398,7 @@ def test_int4_ratio_tables(pool):
     group scales, so decode agrees to fp32 rounding (1e-6 of the output's norm) and with the
     quantised reference as tightly as before. The tables cost 16 bytes per (block, group).
     Scales not of the ratio form leave the layer without tables; it still meets the reference."""
-    from kt.cpu_ops import kernels_amx as KA
+    from kt.cpu_ops.kernels.amx import int4 as KA
     from kt.cpu_ops.packing import int4_table_rows
 
     base, g, u, d = layer("int4", "amx", pool=pool)
@@ -763,14 +414,13 @@ def test_int4_ratio_tables(pool):
         x = rng.standard_normal((T, base.hidden), dtype=np.float32)
         ids, w = routing(rng, T, base.num_experts, 3)
         for bpt in ((0, 0), (2, 2)):
-            base.blocks_per_task = lazy.blocks_per_task = bpt
-            a, b = base(x, ids, w, gpu_mask=gmask), lazy(x, ids, w, gpu_mask=gmask)
+            tun = MoETuning(blocks_per_task=bpt)
+            a, b = base(x, ids, w, gpu_mask=gmask, tuning=tun), lazy(x, ids, w, gpu_mask=gmask, tuning=tun)
             if T == 150:  # ~50 rows per expert: only the large-M kernel runs
                 assert np.array_equal(a, b), (T, bpt)
             else:
                 assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b), (T, bpt)
             check_tight(base, x, ids, w, a, mask=gmask, what=f"T={T} with tables")
-    base.blocks_per_task = (0, 0)
     # one group scale off the ratio form: no tables, the contract kernel's own fallback
     w13 = base.w13
     odd = type(w13)(w13.scheme, w13.n, w13.d, w13.n_pad, w13.d_pad, w13.group_size, w13.data,
@@ -787,8 +437,10 @@ def test_int4_ratio_tables(pool):
     "int8", "none", marks=pytest.mark.skip(reason="no CPU GEMM kernels registered yet"))])
 def test_expert_read_bytes(scheme, variant, pool):
     """The bytes a bandwidth floor counts per expert: the packed values and the scale form the kernels
-    read (an AMX or AVX-512 VNNI INT4 layer's ratio tables instead of its group scales; no scales
-    for BF16; the per-row sums for INT8 off AMX), never more than the expert holds."""
+    read (an INT4 layer's ratio tables instead of its group scales where its kernel set has a table
+    form: AMX and AVX-512 VNNI hosts; no scales for BF16; the per-row sums where a kernel of the set
+    reads them: the AVX-512 VNNI INT8 kernels, which AMX hosts decode with), never more than the
+    expert holds."""
     m = layer(scheme, variant, pool=pool)[0]
     E = m.num_experts
     data = (m.w13.data.nbytes + m.w2.data.nbytes) // E
@@ -799,9 +451,9 @@ def test_expert_read_bytes(scheme, variant, pool):
         assert got == data
     elif scheme == "int4":
         assert got == data + (scales if m._tabs is None else sum(t.nbytes for t in m._tabs) // E)
-        assert (m._tabs is not None) == (m.variant in ("amx", "avx512_vnni"))
+        assert (m._tabs is not None) == (m.kernels.gemv_tab is not None)
     else:
-        assert got == data + scales + (0 if m.variant == "amx" else sums)
+        assert got == data + scales + (sums if m.kernels.reads_wsum else 0)
     assert got <= m.expert_bytes()
 
 
@@ -837,7 +489,7 @@ def test_int4_ratio_tables_avx512(pool):
     """On an AVX-512 host without AMX (here: the avx512_vnni variant forced) only the decode GEMV
     reads the ratio tables; the prefill GEMM keeps the group scales. Both agree with the layer
     without tables to fp32 rounding and with the quantised reference."""
-    from kt.cpu_ops import kernels_avx512 as V
+    from kt.cpu_ops.kernels import avx512 as V
 
     base = layer("int4", "avx512_vnni", pool=pool)[0]
     assert base._tabs is not None and not base._tab_m and base._kv is V.gemv_int4_pfl

@@ -3,6 +3,8 @@
 The machines here have one NUMA node, so the tests give ``nodes`` explicitly ({0: [cpu a],
 1: [cpu b]}): the arithmetic, the weight split, the per-node pools and the API are what is
 checked; where the memory of each slice lands is Linux's first-touch policy (not observable here).
+The shards come from the weight loader's split (``kt.weights.numa_split``); a kt weight directory
+loaded split is tested with the loader (tests/weights/test_cpu_moe.py).
 """
 import os
 
@@ -14,7 +16,9 @@ from kt import reference as ref
 from kt.cpu_ops.moe import CPUMoE
 from kt.cpu_ops.numa import NumaMoE
 from kt.cpu_ops.packing import unpack
+from kt.cpu_ops.tuning import MoETuning
 from kt.testing import random_expert_weights
+from kt.weights import numa_split
 
 CPUS = sorted(os.sched_getaffinity(0))
 TWO = {0: [CPUS[0]], 1: [CPUS[-1]]} if len(CPUS) >= 2 else None
@@ -42,7 +46,7 @@ def test_sharded_layer_is_the_sum_of_its_slices(weights, scheme):
     slices hold exactly the unsharded quantised weights; BF16 equals the unsharded layer."""
     g, u, d = weights
     m = CPUMoE.from_tensors(g, u, d, scheme=scheme)
-    nm = NumaMoE.from_cpu_moe(m, nodes=TWO)
+    nm = numa_split(m, nodes=TWO)
     try:
         assert [s.pool.num_threads for s in nm.shards] == [1, 1]
         for s, cpus in zip(nm.shards, TWO.values()):
@@ -72,7 +76,7 @@ def test_sharded_layer_is_the_sum_of_its_slices(weights, scheme):
 @needs_two
 def test_sharded_accuracy_io_and_masks(weights):
     g, u, d = weights
-    nm = NumaMoE.from_tensors(g, u, d, scheme="int8", nodes=TWO)
+    nm = numa_split(CPUMoE.from_tensors(g, u, d, scheme="int8"), nodes=TWO)
     try:
         x, ids, w = _inputs(64, seed=9)
         exact = ref.moe_forward(x, ids, w, np.concatenate([g, u], 1), d)
@@ -101,7 +105,7 @@ def test_sharded_accuracy_io_and_masks(weights):
 def test_one_node_is_the_plain_layer(weights):
     g, u, d = weights
     m = CPUMoE.from_tensors(g, u, d, scheme="int8")
-    nm = NumaMoE.from_cpu_moe(m, nodes={0: CPUS})
+    nm = numa_split(m, nodes={0: CPUS})
     try:
         x, ids, w = _inputs(16, seed=2)
         assert np.array_equal(nm(x, ids, w), m(x, ids, w))
@@ -113,44 +117,43 @@ def test_bad_topologies(weights):
     g, u, d = weights
     m = CPUMoE.from_tensors(g, u, d, scheme="bf16")
     with pytest.raises(TypeError, match="CPUMoE"):
-        NumaMoE.from_cpu_moe("layer")
+        numa_split("layer")
     with pytest.raises(ValueError, match="nodes must be"):
-        NumaMoE.from_cpu_moe(m, nodes={})
+        numa_split(m, nodes={})
     with pytest.raises(ValueError, match="affinity"):
-        NumaMoE.from_cpu_moe(m, nodes={0: [max(CPUS) + 1000]})
+        numa_split(m, nodes={0: [max(CPUS) + 1000]})
     with pytest.raises(ValueError, match="threads_per_node"):
-        NumaMoE.from_cpu_moe(m, nodes={0: CPUS}, threads_per_node=0)
+        numa_split(m, nodes={0: CPUS}, threads_per_node=0)
     # more nodes than 64-wide slices of I=200: the nodes whose share rounds to nothing get none
-    nm = NumaMoE.from_cpu_moe(m, nodes={i: [CPUS[0]] for i in range(5)})
+    nm = numa_split(m, nodes={i: [CPUS[0]] for i in range(5)})
     try:
         assert 1 < len(nm.shards) <= 4 and nm.slices[0][0] == 0 and nm.slices[-1][1] == I
         x, ids, w = _inputs(5, seed=1)
         assert ref.relative_error(nm(x, ids, w), m(x, ids, w)) < 1e-5
     finally:
         nm.shutdown()
-    from kt.cpu_ops.pool import CpuPool
+    from kt.cpu_ops.runtime.pool import CpuPool
 
     with pytest.raises(ValueError, match="subset"):
         CpuPool(1, cpus=[max(CPUS) + 1000])
 
 
 @needs_two
-def test_from_kt_uses_the_loaders_shards(tmp_path):
-    """NumaMoE.from_kt: the loader builds the node shards (pinned first touch) from the kt weight
-    directory; the layer equals the same directory's unsharded CPUMoE split by from_cpu_moe."""
-    from kt.testing.checkpoints import small_checkpoint
-
-    from kt.weights import convert
-
-    src, _ = small_checkpoint(tmp_path, n_layers=1, n_e=E, hidden=H, inter=256)
-    out = tmp_path / "kt"
-    convert(src, out, "int8", 64, progress=False, threads=2)
-    a = NumaMoE.from_kt(out, 0, nodes=TWO)
-    b = NumaMoE.from_cpu_moe(CPUMoE.from_kt(out, 0), nodes=TWO)
+def test_shards_carry_the_layers_options_and_calls_take_a_tuning(weights):
+    """The split layer's nodes get the layer's tuning, limits and activation mode; a call's
+    tuning reaches every node (split tasks reorder the same arithmetic: the same bits)."""
+    g, u, d = weights
+    tun = MoETuning(chunk_tokens=8)
+    m = CPUMoE.from_tensors(g, u, d, scheme="int8", tuning=tun, max_tokens=64, activations="int8x2")
+    nm = numa_split(m, nodes=TWO)
     try:
-        assert a.slices == b.slices == [(0, 128), (128, 256)]
-        x, ids, w = _inputs(9, seed=3)
-        assert np.array_equal(a(x, ids, w), b(x, ids, w))
+        assert all(s.tuning is tun and s.max_tokens == 64 and s.activations == "int8x2"
+                   for s in nm.shards)
+        assert isinstance(nm, NumaMoE) and nm.slices == [(0, 128), (128, 200)]
+        x, ids, w = _inputs(20, seed=5)
+        want = nm(x, ids, w)
+        assert np.array_equal(nm(x, ids, w, tuning=tun.replace(blocks_per_task=(4, 4))), want)
+        with pytest.raises(TypeError, match="tuning must be a MoETuning"):
+            nm(x, ids, w, tuning=4)
     finally:
-        a.shutdown()
-        b.shutdown()
+        nm.shutdown()

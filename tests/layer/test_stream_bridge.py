@@ -245,9 +245,9 @@ def test_gated_job_is_complete_only_once_published():
     every job still reports finished. (When any participant could mark the job complete, the
     waiter read "not finished" whenever another participant left first: the H200 saw it three
     times in ~30k decode jobs.)"""
-    from kt.cpu_ops import _moe_driver as drv
-    from kt.cpu_ops.moe import tsc_hz
-    from kt.cpu_ops.pool import CpuPool
+    from kt.cpu_ops.driver import layout as drv
+    from kt.cpu_ops.runtime.atomics import tsc_hz
+    from kt.cpu_ops.runtime.pool import CpuPool
 
     pool = CpuPool(3)
     try:
@@ -367,7 +367,7 @@ def test_graph_runner_capture_logs_inside_the_graph_context(monkeypatch):
 _SHARED_POOL_SCRIPT = r"""
 import sys, threading, time
 import numpy as np, torch
-from kt.cpu_ops.moe import CPUMoE
+from kt.cpu_ops.moe import CPUMoE, MoETuning
 from kt.gpu_ops import stream_sync as ss
 from kt.testing import random_expert_weights
 
@@ -385,7 +385,7 @@ want_g = cpu(torch.from_numpy(xg), torch.from_numpy(ig), torch.from_numpy(wg)).n
 xp, ip, wp = (torch.from_numpy(a) for a in inputs(2))
 want_p = cpu(xp, ip, wp)
 chunked = CPUMoE.from_tensors(*random_expert_weights(E, H, I, seed=6), scheme="int8",
-                              chunk_tokens=16, pool=cpu.pool)
+                              tuning=MoETuning(chunk_tokens=16), pool=cpu.pool)
 xc, ic, wc = (torch.from_numpy(a) for a in inputs(400))  # 25 chunks: two pool jobs
 want_c = chunked(xc, ic, wc)
 stop = time.monotonic() + float(sys.argv[1])

@@ -190,7 +190,7 @@ def test_pool_on_chosen_numa_nodes():
     """--kt-numa-nodes: the pool's workers run on those nodes' CPUs; the caller's affinity is kept."""
     import os
 
-    from kt.cpu_ops.pool import numa_nodes
+    from kt.cpu_ops.runtime.pool import numa_nodes
     from kt.sglang_hook._cpu import make_pool, node_cpus
 
     before = os.sched_getaffinity(0)

@@ -62,7 +62,7 @@ def test_two_node_shards(src, tmp_path, monkeypatch, scheme, g):
         return real(pid, mask)
 
     monkeypatch.setattr(_loader.os, "sched_setaffinity", record)
-    class FakePool:  # kt.cpu_ops.pool.CpuPool exposes {node id: CPUs} as .nodes
+    class FakePool:  # kt.cpu_ops.CpuPool exposes {node id: CPUs} as .nodes
         nodes = {3: [cpus[0]], 5: [cpus[1]]}
 
     le = load_experts(out, 0, pool=FakePool())

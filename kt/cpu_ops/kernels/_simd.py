@@ -22,7 +22,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, overload, register_model
 
-from ._align import LINE
+from .._align import LINE
 
 __all__ = [
     "Vec", "I8x64", "I16x32", "I32x16", "F32x16", "I8x32", "I16x16", "I32x8", "F32x8",

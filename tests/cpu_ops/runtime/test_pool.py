@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from numba import njit
 
-from kt.cpu_ops._moe_driver import _wait_at_least
-from kt.cpu_ops.pool import (JOB_ABORT, JOB_COMPLETE, JOB_JOIN, JOB_WATCHDOG, CpuPool, atomic_add, atomic_load,
-                             atomic_store, default_pool, numa_nodes)
+from kt.cpu_ops.driver.sync import _wait_at_least
+from kt.cpu_ops.runtime.atomics import atomic_add, atomic_load, atomic_store, tsc_hz
+from kt.cpu_ops.runtime.pool import CpuPool, default_pool, numa_nodes
+from kt.cpu_ops.runtime.worker import JOB_ABORT, JOB_COMPLETE, JOB_JOIN, JOB_WATCHDOG
 
 
 @njit(nogil=True)
@@ -117,8 +118,6 @@ def test_native_exception_surfaces_and_pool_stays_usable(pool):
 
 
 def test_watchdog_ends_a_wait_that_never_finishes(pool):
-    from kt.cpu_ops.moe import tsc_hz
-
     desc, jctrl = pool.begin()
     desc[0], desc[1] = 0, int(0.05 * tsc_hz())
     t0 = time.perf_counter()
@@ -182,12 +181,35 @@ def test_bad_arguments():
         CpuPool(1, spin_us=-1)
 
 
-def test_default_pool_is_shared():
-    assert default_pool() is default_pool()
+def test_default_pool_is_one_per_thread_count_and_cpu_set(monkeypatch):
+    """default_pool: one pool per (threads, CPU set) per process, made at first use and again
+    after a shutdown; threads default to KT_NUM_THREADS, else the CPUs of the set."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.delenv("KT_NUM_THREADS", raising=False)
+    p = default_pool()
+    assert p is default_pool() and p.num_threads == len(cpus)
+    assert default_pool(len(cpus)) is p and default_pool(cpus=cpus) is p  # the same key
+    one = default_pool(1)
+    assert one.num_threads == 1 and default_pool(1) is one and (one is not p) == (len(cpus) > 1)
+    monkeypatch.setenv("KT_NUM_THREADS", "1")
+    assert default_pool() is one
+    mine = default_pool(cpus=cpus[:1])
+    assert mine.num_threads == 1 and default_pool(1, cpus=cpus[:1]) is mine
+    if len(cpus) > 1:  # a CPU subset is its own pool, its threads kept on those CPUs
+        assert mine is not one and all(set(pl.cpus) <= {cpus[0]} for pl in mine.placements)
+    mine.shutdown()
+    again = default_pool(cpus=cpus[:1])
+    assert again is not mine and not again.closed
+    with pytest.raises(ValueError, match="threads must be a positive int"):
+        default_pool(0)
+    with pytest.raises(ValueError, match="subset"):
+        default_pool(cpus=[max(cpus) + 1000])
 
 
 def test_interpreter_exit_does_not_hang():
-    code = ("from kt.cpu_ops.pool import CpuPool\n"
+    code = ("from kt.cpu_ops.runtime.pool import CpuPool\n"
             "p = CpuPool(2, spin_us=10**6)\n"  # workers spinning at exit
             "p.run(lambda tid: None)\n"
             "q = CpuPool(2)\n")

@@ -1,9 +1,9 @@
-"""actquant: the kernels' activation operands equal kt.reference bit for bit (zero padding included)."""
+"""kernels/actquant.py: the kernels' activation operands equal kt.reference bit for bit (zero padding included)."""
 import numpy as np
 import pytest
 
 from kt import reference as ref
-from kt.cpu_ops.actquant import bf16_rows, group_sums, quantize_rows
+from kt.cpu_ops.kernels.actquant import bf16_rows, group_sums, quantize_rows
 
 
 def _rows(seed, m, d):

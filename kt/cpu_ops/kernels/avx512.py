@@ -8,7 +8,7 @@ Every kernel follows kt/cpu_ops/README.md: it reads one packed weight (packing.p
   once and from L1/L2 for the other tokens. One stream per call measured faster on cold weights
   than four interleaved block streams (32 vs 25 GB/s here). Software prefetch slowed INT8 and BF16
   here; INT4 prefetches every packed line (``gemv_int4_pfl``: faster on Zen 4 and on the AMX Xeon
-  than every other line, ``gemv_int4_pf``, which stays for comparison).
+  than prefetching every other line, which Intel's adjacent-line prefetcher completes).
 - gemm (prefill): 4 tokens x 4 blocks per step (INT4: 4 x 2, its fp32 group sums need registers
   too), 16 accumulators; each weight line load feeds 4 tokens and each activation broadcast feeds
   4 blocks. M is swept in chunks of tiling.gemm_m_chunk tokens so the chunk's activations stay
@@ -32,13 +32,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import cache
+from .. import cache
 from ._simd import (
     bcast4_i32x16, cvt_i32_f32, dpbf16ps512, empty_line, load_f32x16, load_i8_i32x16, load_i32x16,
     pf_next, prefetch, prefetch_l2, splat_f32x16, splat_i32x16, store, vadd, vand, vfma, vmul, vpdpbusd512, vsll, vsra, vsrl, vsub,
     vxor)
 from .actquant import group_sums
-from .tiling import gemm_m_chunk
+from ..tiling import gemm_m_chunk
 
 cache.install()
 
@@ -219,7 +219,6 @@ def _i4_group(f, acc, corr, scale, si):
     return vfma(cvt_i32_f32(vsub(acc, corr)), load_f32x16(scale, si), f)
 
 
-INT4_PF_AHEAD = 2048  # bytes of packed lines gemv_int4_pf prefetches ahead (every other line)
 INT4_PFL_AHEAD = 4096  # bytes of packed lines gemv_int4_pfl prefetches ahead (every line)
 INT4_TAB_AHEAD = 8192  # ... and gemv_int4_tab, into L2
 
@@ -232,23 +231,14 @@ def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
 
 
 @njit(nogil=True, cache=True)
-def gemv_int4_pf(xq, xs, data, scale, group_size, out, nb0, nb1):
-    """``gemv_int4`` with a software prefetch of every other packed line INT4_PF_AHEAD bytes ahead
-    (Intel's adjacent-line prefetcher brings the pair's other line); kept for comparison. On the
-    16-core Emerald Rapids (qwen3 layer, 16 threads, interleaved, min ms) it beat no prefetch (T=1
-    0.26 vs 0.28, T=4 0.79 vs 0.91: results/profile_moe_s5_run8_i4pf.json) and lost to every
-    line 4 KB ahead, ``gemv_int4_pfl`` (T=1 0.20 vs 0.18, T=4 0.65 vs 0.55:
-    results/profile_moe_s7_run1_i4pfl.json)."""
-    _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PF_AHEAD, False, _NO_RX, False)
-
-
-@njit(nogil=True, cache=True)
 def gemv_int4_pfl(xq, xs, data, scale, group_size, out, nb0, nb1):
     """``gemv_int4`` with a software prefetch of every packed line INT4_PFL_AHEAD bytes ahead: the
     INT4 decode kernel on AVX-512 and AMX hosts. On the Zen 4 dev machine (one thread, cold
     weights, interleaved) it reads 29-31 GB/s where the plain kernel reads 26-27 and the
-    every-other-line prefetch of ``gemv_int4_pf`` 22-24: Zen 4 does not fetch the pair's other
-    line by itself. On the AMX Xeon (16 threads, qwen3 layer) it beat ``gemv_int4_pf`` too."""
+    every-other-line prefetch (2 KiB ahead) 22-24: Zen 4 does not fetch the pair's other line by
+    itself. On the 16-core Emerald Rapids (qwen3 layer, 16 threads, interleaved, min ms;
+    ``benchmarks/profile_moe.py``) it beat the every-other-line prefetch too: T=1 0.18 vs 0.20,
+    T=4 0.55 vs 0.65 (and that one beat no prefetch: T=1 0.26 vs 0.28, T=4 0.79 vs 0.91)."""
     _gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1, INT4_PFL_AHEAD, True, _NO_RX, False)
 
 
@@ -260,14 +250,14 @@ def gemv_int4_tab(xq, xs, data, tab, group_size, out, nb0, nb1):
     weight), and one fp32 product by s_row * xs ends the row, instead of a fp32 multiply-add by
     each group's scale. It reads 16 bytes of ratios per (block, group) where the scales take
     64: 8 % fewer bytes for a decode that runs at the memory bandwidth (the qwen3 INT4 layer at
-    T=1 / 4: 4-6 % faster on 2 dev threads and on the device's 16, session 21). It prefetches
+    T=1 / 4: 4-6 % faster on 2 dev threads and on the device's 16). It prefetches
     every line INT4_TAB_AHEAD bytes ahead into L2 (prefetcht1), not 4 KiB ahead into L1: the
     layers that have tables run on Intel hosts (AMX, AVX-512 VNNI), where that keeps more lines
-    in flight per core. qwen3 layer, T=1, interleaved (``benchmarks/cpu_decode_floor.py``,
-    session 23), min / median ms against L1 4 KiB: 2 dev threads 0.716 / 0.777 vs 0.785 / 0.834
-    and 0.832 / 0.957 vs 0.870 / 0.981, 1 dev thread 1.383 / 1.474 vs 1.492 / 1.585; on the
-    device's 16 threads level (two leases: 0.200 / 0.219 vs 0.206 / 0.227, 0.211 / 0.261 vs
-    0.213 / 0.245; L2 4 KiB 0.219 / 0.244 and 0.198 / 0.237). ``gemv_int4_pfl`` keeps L1, as
+    in flight per core. qwen3 layer, T=1, interleaved (``benchmarks/cpu_decode_floor.py``),
+    min / median ms against L1 4 KiB: 2 dev threads 0.716 / 0.777 vs 0.785 / 0.834 and 0.832 /
+    0.957 vs 0.870 / 0.981, 1 dev thread 1.383 / 1.474 vs 1.492 / 1.585; on the device's 16
+    threads level (two runs: 0.200 / 0.219 vs 0.206 / 0.227, 0.211 / 0.261 vs 0.213 / 0.245; L2
+    4 KiB 0.219 / 0.244 and 0.198 / 0.237). ``gemv_int4_pfl`` keeps L1, as
     tuned on Zen 4. Not a contract kernel: ``CPUMoE`` calls it with its tables."""
     _gemv_int4(xq, xs, data, tab, group_size, out, nb0, nb1, INT4_TAB_AHEAD, True,
                tab.reshape(-1).view(np.int8), True)

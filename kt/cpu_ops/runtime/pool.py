@@ -2,23 +2,23 @@
 
 Jobs are *joinable*: every participant (a background worker, or the calling thread inside
 ``wait()``) enters the same job and takes work from it until none is left, so a job never waits
-for a particular thread. A native job is a jitted ``job(nthreads, jctrl, desc)`` (``desc``: an int64
-descriptor the submitter wrote, ``jctrl``: zeroed per-job control words); it claims its own
-participant id from ``jctrl[JOB_JOIN]`` and sets ``jctrl[JOB_COMPLETE]`` when its last task is done.
-Background workers run native jobs from a nogil jitted loop, so no GIL is taken between jobs: idle
-workers spin for ``spin_us`` on an atomic sequence number (``load atomic acquire`` + ``pause``) and
-only then block on a ``threading.Condition``. A Python job ``fn(tid)`` runs once per tid in
-[0, num_threads) on whichever participants claim the tids (tests, tools).
+for a particular thread. A native job is a jitted ``job(nthreads, jctrl, desc)`` (``worker``
+explains the protocol, ``job`` the descriptor). Background workers run native jobs from the nogil
+jitted loop of ``worker``, so no GIL is taken between jobs: idle workers spin for ``spin_us`` on
+an atomic sequence number and only then block on a ``threading.Condition``. A Python job
+``fn(tid)`` runs once per tid in [0, num_threads) on whichever participants claim the tids
+(tests, tools).
 
 By default the caller joins its own jobs (``caller_joins=True``): a pool of ``num_threads`` owns
 ``num_threads - 1`` background threads, and the thread calling ``wait()`` is the last participant.
 That keeps an n-core machine at n spinning threads. With ``caller_joins=False`` all
 ``num_threads`` are background threads (``submit`` then computes fully in the background).
 
-The pool is an object the caller owns; ``default_pool()`` makes one lazily. Threads are grouped
-per NUMA node (``/sys/devices/system/node``), and can be pinned to their node's CPUs. Pinning is
-off unless the pool owns every CPU of the process affinity set (pinning onto cores that something
-else uses hurts), or ``pin=True``.
+The pool is an object the caller owns; ``default_pool()`` hands out one per (thread count, CPU
+set) per process, made at first use. Threads are grouped per NUMA node
+(``/sys/devices/system/node``), and can be pinned to their node's CPUs. Pinning is off unless the
+pool owns every CPU of the process affinity set (pinning onto cores that something else uses
+hurts), or ``pin=True``.
 
 An exception raised by a participant is re-raised by ``handle.wait()`` (after every participant
 left the job); it sets ``jctrl[JOB_ABORT]`` so that the others stop early. The pool stays usable.
@@ -41,315 +41,18 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
-from llvmlite import ir
 
-from .._sysinfo import numa_topology
+from ..._sysinfo import numa_topology
+from .. import _align
+from .atomics import _add_gil, _load_gil, _store_gil
+from .native import native_address
+from .worker import (_ACTIVE, _JOB_PYDONE, _KIND, _OTHER_KIND, _SEQ, _STOP, _STOPPED, _TIMEOUT,
+                     CTRL_STRIDE, DESC_SIZE, JCTRL_SIZE, JOB_ABORT, JOB_COMPLETE, JOB_FREE, JOB_JOIN,
+                     JOB_SIGNATURE, JOB_WATCHDOG, _enter_gil, _join_native, _native_noop, _spin_done,
+                     _spin_for_job, _spin_idle, _worker_loop)
 
-from . import _align
-from . import cache as _cache
+__all__ = ["CpuPool", "PoolHandle", "default_pool", "numa_nodes"]
 
-_cache.install()
-
-__all__ = ["CpuPool", "PoolHandle", "default_pool", "numa_nodes", "atomic_load", "atomic_store",
-           "atomic_add", "cpu_pause", "spin_relax", "flag_load", "flag_store", "CTRL_STRIDE", "JOB_ABORT",
-           "JOB_COMPLETE", "JOB_FREE", "JOB_WATCHDOG"]
-
-# One control word per 128 bytes so that counters written by different threads never share a line.
-CTRL_STRIDE = 16
-
-
-# ----------------------------------------------------------------------------- jitted atomics
-
-def _elem_ptr(context, builder, aryty, ary_val, idx_val, idxty):
-    ary = context.make_array(aryty)(context, builder, ary_val)
-    idx = context.cast(builder, idx_val, idxty, types.intp)
-    return cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False)
-
-
-@intrinsic
-def atomic_load(typingctx, arr, idx):
-    """arr[idx] with acquire ordering (arr: 1-D int64 array)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        return builder.load_atomic(ptr, "acquire", 8)
-
-    return types.int64(arr, idx), codegen
-
-
-@intrinsic
-def atomic_store(typingctx, arr, idx, val):
-    """arr[idx] = val with release ordering."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        v = context.cast(builder, args[2], sig.args[2], types.int64)
-        builder.store_atomic(v, ptr, "release", 8)
-        return context.get_dummy_value()
-
-    return types.void(arr, idx, val), codegen
-
-
-@intrinsic
-def atomic_add(typingctx, arr, idx, val):
-    """Sequentially consistent fetch-and-add; returns the old value."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        v = context.cast(builder, args[2], sig.args[2], types.int64)
-        return builder.atomic_rmw("add", ptr, v, "seq_cst")
-
-    return types.int64(arr, idx, val), codegen
-
-
-@intrinsic
-def flag_load(typingctx, addr):
-    """The int32 at host address ``addr`` (an int), acquire load, as int64: a flag that another
-    agent (a CUDA stream's memory operation, another thread) writes."""
-    if not isinstance(addr, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
-        return builder.sext(builder.load_atomic(ptr, "acquire", 4), ir.IntType(64))
-
-    return types.int64(addr), codegen
-
-
-@intrinsic
-def flag_store(typingctx, addr, val):
-    """Release store of the int32 ``val`` at host address ``addr``: earlier writes of this thread
-    are visible to whoever sees the new flag value."""
-    if not isinstance(addr, types.Integer) or not isinstance(val, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
-        v = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), ir.IntType(32))
-        builder.store_atomic(v, ptr, "release", 4)
-        return context.get_dummy_value()
-
-    return types.void(addr, val), codegen
-
-
-@intrinsic
-def cpu_pause(typingctx):
-    """The x86 ``pause`` hint for spin loops."""
-
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                            "llvm.x86.sse2.pause")
-        builder.call(fn, [])
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-@intrinsic
-def _sched_yield(typingctx):
-    """libc ``sched_yield()``, declared by name (resolved in-process; keeps callers cacheable)."""
-
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
-                                            "sched_yield")
-        builder.call(fn, [])
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-@njit(nogil=True, cache=True, inline="always")
-def spin_relax(i, every):
-    """One step of a spin-wait: ``pause``, and every ``every`` steps (a power of two) a
-    ``sched_yield`` so a waiter never starves another runnable thread of its core."""
-    cpu_pause()
-    if (i & (every - 1)) == every - 1:
-        _sched_yield()
-
-
-@njit(nogil=True, cache=True)
-def spin_until_changed(ctrl, idx, old, max_spins):
-    """Spin (pause) until ctrl[idx] != old or max_spins pauses have passed; returns ctrl[idx]."""
-    for i in range(max_spins):
-        v = atomic_load(ctrl, idx)
-        if v != old:
-            return v
-        spin_relax(i, 1024)
-    return atomic_load(ctrl, idx)
-
-
-@njit(nogil=True, cache=True)
-def spin_until_at_least(ctrl, idx, target, max_spins):
-    """Spin until ctrl[idx] >= target or max_spins pauses passed; returns ctrl[idx]."""
-    for i in range(max_spins):
-        v = atomic_load(ctrl, idx)
-        if v >= target:
-            return v
-        spin_relax(i, 1024)
-    return atomic_load(ctrl, idx)
-
-
-# Locked (GIL-held) variants: used where Python-level ordering with the GIL matters.
-@njit(cache=True)
-def _load_gil(ctrl, idx):
-    return atomic_load(ctrl, idx)
-
-
-@njit(cache=True)
-def _store_gil(ctrl, idx, val):
-    atomic_store(ctrl, idx, val)
-
-
-@njit(cache=True)
-def _add_gil(ctrl, idx, val):
-    return atomic_add(ctrl, idx, val)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _enter(ctrl, seq):
-    """Count this participant in _ACTIVE if the job ``seq`` is still open (it then leaves with
-    ``_ACTIVE -= 1``); returns whether it entered. How every participant joins a job: the
-    submitter closes the job (``begin()``) and then waits for _ACTIVE to reach 0."""
-    atomic_add(ctrl, _ACTIVE, 1)
-    if atomic_load(ctrl, _SEQ) != seq:
-        atomic_add(ctrl, _ACTIVE, -1)
-        return False
-    return True
-
-
-@njit(cache=True)
-def _enter_gil(ctrl, seq):
-    return _enter(ctrl, seq)
-
-
-
-
-@njit(nogil=True, cache=True)
-def _spin_for_job(ctrl, last, max_spins):
-    """Spin until SEQ holds a published job other than ``last`` (SEQ > 0) or STOP is set."""
-    for i in range(max_spins):
-        v = atomic_load(ctrl, _SEQ)
-        if (v > 0 and v != last) or atomic_load(ctrl, _STOP) != 0:
-            return v
-        spin_relax(i, 1024)
-    return last
-
-
-@njit(nogil=True, cache=True)
-def _spin_done(jctrl, max_spins):
-    """Spin until the job is complete or aborted; returns True if it is."""
-    for i in range(max_spins):
-        if atomic_load(jctrl, JOB_COMPLETE) != 0 or atomic_load(jctrl, JOB_ABORT) != 0:
-            return True
-        spin_relax(i, 256)
-    return atomic_load(jctrl, JOB_COMPLETE) != 0 or atomic_load(jctrl, JOB_ABORT) != 0
-
-
-@njit(nogil=True, cache=True)
-def _spin_idle(ctrl, max_spins):
-    """Spin until no participant is inside a job; returns True if so."""
-    for i in range(max_spins):
-        if atomic_load(ctrl, _ACTIVE) == 0:
-            return True
-        spin_relax(i, 256)
-    return atomic_load(ctrl, _ACTIVE) == 0
-
-
-# ----------------------------------------------------------------------------- job control
-
-# per-job control words (jctrl); a job's own words start at JOB_FREE
-JOB_ABORT = 0
-JOB_COMPLETE = CTRL_STRIDE
-JOB_JOIN = 2 * CTRL_STRIDE
-_JOB_PYDONE = 3 * CTRL_STRIDE
-JOB_WATCHDOG = 4 * CTRL_STRIDE  # set by a native job that gave up a wait and aborted itself
-JOB_FREE = 5 * CTRL_STRIDE
-JCTRL_SIZE = 8192  # int64 words
-
-# pool control words (ctrl)
-_SEQ = 0
-_STOP = CTRL_STRIDE
-_KIND = 2 * CTRL_STRIDE
-_ACTIVE = 3 * CTRL_STRIDE
-
-# return codes of a native worker loop
-_TIMEOUT, _STOPPED, _OTHER_KIND = 0, 1, 2
-
-DESC_SIZE = 1024  # int64 words of the job descriptor a native job reads
-
-
-def icall_codegen(context, builder, sig, args):
-    """Codegen of ``icallN(addr, *args)``: call the numba-compiled function at ``addr`` (its
-    native entry point) with ``args``, propagating a raised exception."""
-    argtys = sig.args[1:]
-    fnty = context.call_conv.get_function_type(types.none, argtys)
-    fn = builder.inttoptr(args[0], fnty.as_pointer())
-    status, _ = context.call_conv.call_function(builder, fn, types.none, argtys, args[1:])
-    with builder.if_then(status.is_error, likely=False):
-        context.call_conv.return_status_propagate(builder, status)
-    return context.get_dummy_value()
-
-
-@intrinsic
-def icall3(typingctx, addr, a0, a1, a2):
-    if not isinstance(addr, types.Integer):
-        return None
-    return types.void(addr, a0, a1, a2), icall_codegen
-
-
-def native_address(dispatcher, argtypes: tuple) -> int:
-    """Compile ``dispatcher`` for ``argtypes`` (it must return None) and return the address of
-    its native entry point, for an indirect call from jitted code. Calling through the address
-    does not link (and code-generate again) the callee's IR into the caller."""
-    dispatcher.compile(argtypes)
-    cres = dispatcher.overloads[argtypes]
-    if cres.signature.return_type != types.none:
-        raise TypeError(f"{dispatcher} must return None, returns {cres.signature.return_type}")
-    return int(cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name))
-
-
-_I64_1D = types.Array(types.int64, 1, "C")
-JOB_SIGNATURE = (types.int64, _I64_1D, _I64_1D)
-
-
-@njit(nogil=True, cache=True)
-def _join_native(ctrl, seq, addr, nth, jctrl, desc):
-    """Enter the native job ``seq`` (entry point ``addr``) if it is still open, run it, leave."""
-    if not _enter(ctrl, seq):
-        return
-    icall3(addr, nth, jctrl, desc)
-    atomic_add(ctrl, _ACTIVE, -1)
-
-
-@njit(nogil=True, cache=True)
-def _worker_loop(ctrl, jctrl, desc, nth, last, spin_iters):
-    """Join every published native job (ctrl[KIND] = the job's address) without the GIL."""
-    while True:
-        seq = _spin_for_job(ctrl, last, spin_iters)
-        if atomic_load(ctrl, _STOP) != 0:
-            return seq, _STOPPED
-        if seq == last:
-            return last, _TIMEOUT
-        addr = atomic_load(ctrl, _KIND)
-        if addr == 0:
-            return last, _OTHER_KIND
-        if not _enter(ctrl, seq):  # the submitter closed it meanwhile
-            continue
-        icall3(addr, nth, jctrl, desc)
-        atomic_add(ctrl, _ACTIVE, -1)
-        last = seq
-
-
-# ----------------------------------------------------------------------------- topology
 
 def numa_nodes(allowed: set[int] | None = None) -> dict[int, list[int]]:
     """NUMA node -> CPUs of this process's affinity set on it (one node 0 when sysfs is absent)."""
@@ -554,7 +257,7 @@ class CpuPool:
 
     def __init__(self, num_threads: int | None = None, *, pin: bool | None = None,
                  spin_us: float = 2000.0, caller_joins: bool = True, cpus=None):
-        from ..config import get_config
+        from ...config import get_config
 
         allowed = sorted(os.sched_getaffinity(0))
         if cpus is not None:
@@ -777,7 +480,7 @@ class CpuPool:
                 job.errors.append(("watchdog", TimeoutError(
                     "a participant waited longer than the job's watchdog allows for work that never "
                     "finished, and aborted the job (the output is incomplete). With the default "
-                    "watchdog (CPUMoE.watchdog_s) this is a scheduling bug in kt: please report it "
+                    "watchdog (MoETuning.watchdog_s) this is a scheduling bug in kt: please report it "
                     "with the call's shapes")))
         job.complete = True
         job.keep = None
@@ -830,14 +533,6 @@ def _noop(tid):
     return None
 
 
-@njit(nogil=True, cache=True)
-def _native_noop(nth, jctrl, desc):
-    # every participant that joins counts itself; the last of nth completes the job, so the
-    # measurement includes waking every worker
-    if atomic_add(jctrl, JOB_JOIN, 1) == nth - 1:
-        atomic_store(jctrl, JOB_COMPLETE, 1)
-
-
 _live_states: "weakref.WeakSet[_State]" = weakref.WeakSet()
 _atexit_registered = False
 
@@ -855,15 +550,35 @@ def _shutdown_all() -> None:
         _shutdown_state(st, timeout=2.0)
 
 
-_defaults: dict = {}
+_defaults: dict[tuple[int, tuple[int, ...]], CpuPool] = {}
 _default_lock = threading.Lock()
 
 
-def default_pool(threads: int | None = None) -> CpuPool:
-    """The process's pool of ``threads`` threads (default: KT_NUM_THREADS or all allowed CPUs),
-    created at first use and shared by every caller asking for that count."""
+def default_pool(threads: int | None = None, *, cpus=None) -> CpuPool:
+    """The process's pool of ``threads`` threads on the CPU set ``cpus``: one per (thread count,
+    CPU set), created at first use (and again if it was shut down).
+
+    threads: default ``KT_NUM_THREADS`` (``kt.config``), else the CPUs of ``cpus``, else of the
+    process affinity set. cpus: the CPUs its threads may run on (default, or all of them: the
+    process's affinity set, the threads placed as ``CpuPool(threads)`` places them)."""
+    from ...config import get_config
+
+    if cpus is not None:
+        cpu_set = tuple(sorted({int(c) for c in cpus}))
+        if not cpu_set or not set(cpu_set) <= set(os.sched_getaffinity(0)):
+            raise ValueError(f"cpus must be a non-empty subset of this process's CPUs "
+                             f"{sorted(os.sched_getaffinity(0))}, got {list(cpus)!r}")
+    else:
+        cpu_set = tuple(sorted(os.sched_getaffinity(0)))
+    if threads is None:
+        threads = get_config().num_threads or len(cpu_set)
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads <= 0:
+        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+    key = (int(threads), cpu_set)
+    whole = cpu_set == tuple(sorted(os.sched_getaffinity(0)))
     with _default_lock:
-        p = _defaults.get(threads)
-        if p is None or p.closed:
-            p = _defaults[threads] = CpuPool(threads) if threads is not None else CpuPool()
-        return p
+        pool = _defaults.get(key)
+        if pool is None or pool.closed:
+            pool = CpuPool(int(threads), cpus=None if whole else cpu_set)
+            _defaults[key] = pool
+        return pool

@@ -1,6 +1,6 @@
 """AVX2 kernels (ymm only, no AVX-512): INT8 / INT4 with vpmaddubsw + vpmaddwd, BF16 with FMA.
 
-Same contract as kernels_avx512 (kt/cpu_ops/README.md) and the same packed layout: each 64-byte
+Same contract as avx512.py (kt/cpu_ops/README.md) and the same packed layout: each 64-byte
 line is read as two 32-byte halves, rows 0-7 and rows 8-15 of the block.
 
 INT8: vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16 with saturation.
@@ -24,13 +24,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import cache
+from .. import cache
 from ._simd import (
     as_f32x8, as_i8x32, bcast4_i32x8, cvt_i32_f32, load_f32x8, load_i8x32, load_i32x8, pf_next,
     pmaddubsw256, pmaddwd256, prefetch, splat_f32x8, splat_i16x16, splat_i32x8, store, vabs_i8,
     vadd, vand, vfma, vmul, vsign_i8, vsll, vsrl, vsub)
 from .actquant import group_sums
-from .tiling import gemm_m_chunk
+from ..tiling import gemm_m_chunk
 
 cache.install()
 
@@ -54,7 +54,7 @@ def _i8_store(acc, scale, xsm, out, r, n0):
 
 @njit(nogil=True, cache=True)
 def gemv_int8(xq, xs, data, scale, wsum, out, nb0, nb1):
-    """INT8 small-M GEMM (AVX2). Arguments as kernels_avx512.gemv_int8 (wsum unused)."""
+    """INT8 small-M GEMM (AVX2). Arguments as avx512.gemv_int8 (wsum unused)."""
     m_count = xq.shape[0]
     lines = data.shape[1]
     blk = lines * 64
@@ -176,9 +176,9 @@ INT4_PF_AHEAD = 4096  # bytes of packed lines gemv_int4 prefetches ahead (every 
 
 @njit(nogil=True, cache=True)
 def gemv_int4(xq, xs, data, scale, group_size, out, nb0, nb1):
-    """INT4 small-M GEMM (AVX2). Arguments as kernels_avx512.gemv_int4.
+    """INT4 small-M GEMM (AVX2). Arguments as avx512.gemv_int4.
 
-    Prefetches every packed line 4 KB ahead (as kernels_avx512.gemv_int4_pfl): one thread on the
+    Prefetches every packed line 4 KB ahead (as avx512.gemv_int4_pfl): one thread on the
     Zen 4 dev machine, 1536 x 2048 cold, 30.1 vs 24.9 GB/s without."""
     m_count = xq.shape[0]
     lines = data.shape[1]
@@ -323,7 +323,7 @@ def _bf16_pair(acc_e, acc_o, w, xe, xo, hi):
 
 @njit(nogil=True, cache=True)
 def gemv_bf16(xb, data, out, nb0, nb1):
-    """BF16 small-M GEMM (AVX2 FMA). Arguments as kernels_avx512.gemv_bf16."""
+    """BF16 small-M GEMM (AVX2 FMA). Arguments as avx512.gemv_bf16."""
     m_count = xb.shape[0]
     lines = data.shape[1]
     blk = lines * 32

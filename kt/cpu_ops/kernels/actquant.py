@@ -10,9 +10,10 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-from . import cache
+from .. import cache
 
 cache.install()
+
 
 @intrinsic
 def _u32_as_f32(typingctx, v):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import cache
+from .. import cache
 
 cache.install()
 

@@ -13,7 +13,7 @@ the tile instruction may read or write.
 
 Executing any of these without the Linux tile-data permission kills the process with SIGILL, and
 compiling them for a target without AMX aborts it inside LLVM. ``require_amx`` is the one guard:
-``kernels_amx`` calls it at import, so no AMX kernel can be compiled or run in a process where
+every AMX kernel file calls it at import (through ``_tiles``), so no AMX kernel can be compiled or run in a process where
 ``kt.cpu_ops.isa`` has not found AMX runnable (``isa.detect`` makes the ``arch_prctl`` request).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ _compile_only = False
 
 
 def allow_compile_only() -> None:
-    """Let ``kernels_amx`` be imported where AMX cannot run, to inspect its assembly only.
+    """Let the AMX kernel files be imported where AMX cannot run, to inspect its assembly only.
 
     For tests that compile for an explicit AMX target (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``
     with ``+amx-tile,+amx-int8,+amx-bf16``) in a subprocess; calling a kernel there would SIGILL.
@@ -65,7 +65,7 @@ def require_amx() -> str:
     or ``"compile-only"`` after ``allow_compile_only()`` when Numba's target was set explicitly to
     one with AMX (assembly inspection on a host without AMX).
     """
-    from . import isa
+    from ... import isa
 
     host = isa.detect().host
     if host.can_run("amx"):
@@ -197,7 +197,7 @@ def _tile_load(name: str):
 
 # tileloadd64: a plain tile load. tileloaddt164: the same with the non-temporal hint (TILELOADDT1:
 # the lines need not stay in L1), for an operand that streams past while the other is reused from
-# L1 (kernels_amx: the A tiles of the staged GEMM, so the block pair's B slice stays in L1)
+# L1 (the A tiles of the staged GEMM, so the block pair's B slice stays in L1)
 tileloadd64 = _tile_load("tileloadd64")
 tileloaddt164 = _tile_load("tileloaddt164")
 
