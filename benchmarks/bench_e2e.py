@@ -251,6 +251,9 @@ def run(args, cpu_kernels: dict | None = None) -> dict:
         meta.update({f"final_{k}": v for k, v in rss_gib().items()})
         results.write(plots=True)
         timer.stopped.set()
+        # joined here: the watchdog holds the model through ctx, and a daemon thread that drops
+        # the last reference to a tensor while the interpreter shuts down aborts the process
+        timer.join()
         torch.set_num_threads(torch_threads)
         if ctx.pool is not None:
             ctx.pool.shutdown()

@@ -3,7 +3,7 @@
 The only kt package that imports transformers (lazily: importing ``kt.hf`` needs torch only;
 a missing transformers raises ImportError naming ``pip install 'kt[hf]'`` at first use).
 
-    # a checkpoint on disk: its experts are never materialised (docs/loading.md)
+    # a checkpoint on disk: its experts are never materialised (docs/hf.md)
     model, tok = kt.hf.load_model(path, kt.hf.PatchConfig(scheme="int8", weight_path=kt_dir))
     # a model already in memory: its experts are replaced and freed layer by layer
     kt.patch_model(model, kt.hf.PatchConfig(scheme="int8"))

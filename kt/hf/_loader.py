@@ -11,7 +11,7 @@
    the model dtype as they are read.
 
 Everything that can be checked without reading weights (architecture, missing or misshapen
-tensors, the kt weight directory, the placement) is checked before step 2. See docs/loading.md
+tensors, the kt weight directory, the placement) is checked before step 2. See docs/hf.md
 for the peak host memory and how it was measured.
 
 Legend: E experts, H hidden size, I expert intermediate size, L layers.

@@ -218,7 +218,7 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
     as it was; an error converting a layer's weights (e.g. NaN) leaves the earlier layers patched.
 
     The model must hold its experts already; ``kt.hf.load_model`` loads a checkpoint without
-    ever materialising them (see docs/loading.md).
+    ever materialising them (see docs/hf.md).
 
     ``device``: where the model will run (default: where its weights are now). Give "cuda" to
     patch a model still on the CPU and move it afterwards: the experts never reach the GPU.

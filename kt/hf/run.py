@@ -60,7 +60,7 @@ def load_model(model_dir, patch: PatchConfig | None = PatchConfig(), *, device="
     GPU if there is one). FP8 block-scaled checkpoints (``weight_scale_inv``) are dequantised to
     ``dtype`` as they are read. ``patch=None`` loads plain transformers (``from_pretrained``).
 
-    Peak host memory while loading (docs/loading.md; measured in tests/hf/test_load_memory.py)::
+    Peak host memory while loading (docs/hf.md; measured in tests/hf/test_load_memory.py)::
 
         peak - baseline <= W_ne + S_max + X (+ a few MB of allocator slack)
 

@@ -10,7 +10,7 @@ formula in ``kt.hf.load_model``'s docstring computed from the loaded model: ``w_
 weights in the model dtype), ``s_max`` (staging of the largest non-expert tensor), ``k`` (the kt
 experts in anonymous memory), ``layer_src`` (one layer's expert bytes as stored) and
 ``w_experts`` (the experts in the model dtype, what the old path holds). Used by
-tests/hf/test_load_memory.py; docs/loading.md shows its numbers.
+tests/hf/test_load_memory.py; docs/hf.md shows its numbers.
 """
 from __future__ import annotations
 

@@ -480,7 +480,7 @@ class CpuPool:
                 job.errors.append(("watchdog", TimeoutError(
                     "a participant waited longer than the job's watchdog allows for work that never "
                     "finished, and aborted the job (the output is incomplete). With the default "
-                    "watchdog (MoETuning.watchdog_s) this is a scheduling bug in kt: please report it "
+                    "watchdog (MoETuning.watchdog_s) this is a scheduling bug in kt; report it "
                     "with the call's shapes")))
         job.complete = True
         job.keep = None
