@@ -551,6 +551,8 @@ def _shutdown_all() -> None:
 
 
 _defaults: dict[tuple[int, tuple[int, ...]], CpuPool] = {}
+# default_pool() with no arguments: KT_NUM_THREADS (as set) -> (affinity set, pool)
+_fast_defaults: dict[str | None, tuple[set[int], CpuPool]] = {}
 _default_lock = threading.Lock()
 
 
@@ -563,6 +565,11 @@ def default_pool(threads: int | None = None, *, cpus=None) -> CpuPool:
     process's affinity set, the threads placed as ``CpuPool(threads)`` places them)."""
     from ...config import get_config
 
+    if threads is None and cpus is None:  # the per-call path of every layer: no config parsing
+        fast_key = (os.environ.get("KT_NUM_THREADS"), os.sched_getaffinity(0))
+        pool = _fast_defaults.get(fast_key[0])
+        if pool is not None and pool[0] == fast_key[1] and not pool[1].closed:
+            return pool[1]
     if cpus is not None:
         cpu_set = tuple(sorted({int(c) for c in cpus}))
         if not cpu_set or not set(cpu_set) <= set(os.sched_getaffinity(0)):
@@ -570,6 +577,7 @@ def default_pool(threads: int | None = None, *, cpus=None) -> CpuPool:
                              f"{sorted(os.sched_getaffinity(0))}, got {list(cpus)!r}")
     else:
         cpu_set = tuple(sorted(os.sched_getaffinity(0)))
+    threads_arg = threads
     if threads is None:
         threads = get_config().num_threads or len(cpu_set)
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads <= 0:
@@ -581,4 +589,6 @@ def default_pool(threads: int | None = None, *, cpus=None) -> CpuPool:
         if pool is None or pool.closed:
             pool = CpuPool(int(threads), cpus=None if whole else cpu_set)
             _defaults[key] = pool
+        if threads_arg is None and cpus is None:
+            _fast_defaults[fast_key[0]] = (fast_key[1], pool)
         return pool
