@@ -31,6 +31,7 @@ from torch import nn
 from ..config import QuantScheme
 from ._checkpoint import Checkpoint, TensorRef, open_expert_source
 from ._compat import require_transformers
+from ._dense import dense_scheme_for, patch_dense
 from ._patch import PatchConfig, PatchInfo, check_sites, find_experts, reference_warning
 from .families import family_of
 
@@ -295,7 +296,13 @@ def load_checkpoint(path: Path, patch: PatchConfig, *, device: torch.device, dty
     if gen.is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
     model.eval()
-    model.kt_patch = PatchInfo(patch, model_type, tuple(layers), e, h, i, builder.backend_name, 0)
+    dense = dense_scheme_for(patch.dense_scheme, patch.scheme, device, dtype) if patch.backend == "kt" else None
+    n_dense = 0
+    if dense is not None:
+        n_dense, _ = patch_dense(model, dense, group_size=patch.group_size, pool=builder.pool,
+                                 progress=progress)
+    model.kt_patch = PatchInfo(patch, model_type, tuple(layers), e, h, i, builder.backend_name, 0,
+                               dense, n_dense)
     info.seconds = time.perf_counter() - t0
     model.kt_load = info
     reference_warning(patch, stacklevel=4)

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import GROUP_SIZES, QuantScheme, check_activations
 from ._compat import require_transformers
+from ._dense import DENSE_SCHEMES, dense_scheme_for, model_dtype, patch_dense
 from ._experts import KTExperts
 from .families import family_of
 
@@ -42,6 +43,11 @@ class PatchConfig:
       accurate INT8/INT4 layers for about 2x the prefill compute; see ``kt.CPUMoE``).
     backend: "kt" (CPUMoE / HybridMoE, the default) or "reference" (kt.reference in numpy: slow,
       exact to the scheme's arithmetic; for debugging).
+    dense_scheme: the dense linears (attention, shared experts, dense MLPs, the LM head) of a
+      model run on the CPU: "auto" (the default: for a bf16 / fp16 model on the CPU, kt's kernels
+      in INT8, or BF16 when the experts are BF16; torch's for an fp32 model and on a GPU),
+      "int8" / "int4" / "bf16" (kt's kernels in that scheme, CPU only) or "torch" (the model's
+      own nn.Linear). Routers always stay in torch.
     """
 
     scheme: QuantScheme | str = QuantScheme.BF16
@@ -53,6 +59,7 @@ class PatchConfig:
     deferral: int = 0
     backend: str = "kt"
     activations: str = "int8"
+    dense_scheme: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "scheme", QuantScheme.parse(self.scheme))
@@ -67,6 +74,9 @@ class PatchConfig:
         if self.weight_path is not None:
             object.__setattr__(self, "weight_path", Path(self.weight_path))
         check_activations(self.activations, self.scheme, "PatchConfig.activations")
+        if self.dense_scheme not in DENSE_SCHEMES:
+            raise ValueError(f"PatchConfig.dense_scheme must be one of {DENSE_SCHEMES}, got "
+                             f"{self.dense_scheme!r}")
         if self.backend == "reference" and (self.placement is not None or self.deferral):
             raise ValueError("the reference backend runs every expert on the CPU; "
                              "placement and deferral need backend='kt'")
@@ -98,6 +108,8 @@ class PatchInfo:
     intermediate: int
     backend: str
     freed_bytes: int
+    dense_scheme: QuantScheme | None = None  # kt's scheme of the dense linears, None: torch's
+    dense_linears: int = 0
 
 
 def _layer_index(name: str) -> int:
@@ -247,6 +259,8 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
                                  model_dir=getattr(model.config, "_name_or_path", None),
                                  gate_up_of=lambda L: by_layer[L].gate_up_proj)
     device = torch.device(device) if device is not None else _model_device(model)
+    dense_kt = (dense_scheme_for(config.dense_scheme, config.scheme, device, model_dtype(model))
+                if config.backend == "kt" else None)
     builder = ExpertsBuilder(config, num_layers=num_layers, last_layer=sites[-1].layer_idx,
                              num_experts=e, hidden=h, intermediate=i, device=device)
 
@@ -273,7 +287,11 @@ def patch_model(model: nn.Module, config: PatchConfig | None = None, *, progress
         mod.gate_up_proj = None
         mod.down_proj = None
         setattr(s.parent, s.attr, new)
+    n_dense = 0
+    if dense_kt is not None:
+        n_dense, _ = patch_dense(model, dense_kt, group_size=config.group_size, pool=builder.pool,
+                                 progress=progress)
     model.kt_patch = PatchInfo(config, model_type, tuple(s.layer_idx for s in sites), e, h, i,
-                               builder.backend_name, freed)
+                               builder.backend_name, freed, dense_kt, n_dense)
     reference_warning(config)
     return model

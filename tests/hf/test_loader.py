@@ -245,7 +245,9 @@ def test_fp8_block_scaled_checkpoint(tmp_path):
     assert any(n.endswith("_scale_inv") for n in new.kt_load.tensors_read)
     old = _old_path(deq_dir, "fp32", scheme="int8")
     torch.testing.assert_close(_logits(new), _logits(old), rtol=0, atol=0)
-    bf, _ = load_model(fp8_dir, PatchConfig(scheme="int8"), device="cpu", dtype="bf16", progress=False)
+    # the loaded bf16 weights themselves (dense_scheme "torch": kept as nn.Linear weights)
+    bf, _ = load_model(fp8_dir, PatchConfig(scheme="int8", dense_scheme="torch"), device="cpu",
+                       dtype="bf16", progress=False)
     assert bf.model.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
     torch.testing.assert_close(bf.model.layers[1].self_attn.o_proj.weight,
                                deq["model.layers.1.self_attn.o_proj.weight"].bfloat16(), rtol=0, atol=0)
