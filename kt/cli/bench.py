@@ -1,5 +1,6 @@
-"""`kt bench`: how fast this machine runs one MoE layer's CPU experts (a quick check, not the
-benchmark suite in benchmarks/)."""
+"""`kt bench`: how fast this machine runs one MoE layer's CPU experts, and `kt bench model`: a
+whole real-shaped model with random weights, beside llama.cpp (quick checks a user can run; the
+benchmark suite is in benchmarks/)."""
 from __future__ import annotations
 
 import statistics
@@ -104,3 +105,49 @@ def add_parser(subparsers) -> None:
                    help="also print where each call's time goes, per phase of the MoE driver "
                         "(CPUMoE.profile: busy share and barrier wait, summed over threads)")
     p.set_defaults(func=_run)
+    sub = p.add_subparsers(dest="what", metavar="{model}")
+    m = sub.add_parser("model", help="a whole real-shaped model with random weights (and llama.cpp)",
+                       description="Builds a real-shaped MoE model with random weights (a preset or a "
+                                   "model directory's config.json; nothing is downloaded, the experts "
+                                   "are generated in kt's format and never materialised), then times "
+                                   "model.generate as `kt generate` runs it: build time, peak RSS, "
+                                   "TTFT, prefill and decode tokens/s, and on the CPU the decode floor "
+                                   "(weight bytes read per token / measured bandwidth). With "
+                                   "--llama-bench, llama.cpp runs the same shape from a GGUF of random "
+                                   "weights (Q8_0 for int8, Q4_0 for int4) on the same threads.")
+    m.add_argument("model", nargs="?", default=None, help="a model directory (its config.json)")
+    m.add_argument("--config", default=None, help="a preset shape instead of a directory: "
+                                                 "qwen3-30b-a3b")
+    m.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
+    m.add_argument("--scheme", default="int8", choices=("int8", "int4"), help="the experts' scheme")
+    m.add_argument("--dense-scheme", default="auto", help="auto, torch, int8, int4 or bf16 "
+                                                          "(see PatchConfig.dense_scheme)")
+    m.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    m.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+    m.add_argument("--decode", type=int, default=32, help="tokens to decode (default 32)")
+    m.add_argument("--reps", type=int, default=3, help="timed runs; the median is reported")
+    m.add_argument("--threads", type=int, default=None, help="CPU threads (default: kt's default pool)")
+    m.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="a llama-bench binary: run llama.cpp on the same shape and threads")
+    m.add_argument("--gguf-dir", default=None, help="where the temporary GGUF goes (default: /tmp)")
+    m.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=_run_model)
+
+
+def _run_model(args) -> int:
+    from ..hf.bench import bench_model, save, table
+
+    if (args.model is None) == (args.config is None):
+        raise ValueError("give a model directory or --config PRESET (one of them)")
+    for name in ("prompt", "decode", "reps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    res = bench_model(args.model or args.config, layers=args.layers, scheme=args.scheme,
+                      dense_scheme=args.dense_scheme, device=args.device, prompt=args.prompt,
+                      decode=args.decode, reps=args.reps, threads=args.threads,
+                      llama_bench=args.llama_bench, gguf_dir=args.gguf_dir, seed=args.seed)
+    print(table(res))
+    if args.json:
+        save(res, args.json)
+    return 0
